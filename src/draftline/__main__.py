@@ -1,0 +1,3 @@
+from draftline.cli import main
+
+raise SystemExit(main())
