@@ -28,7 +28,10 @@ def detect_gpus() -> list[GPUInfo]:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=20, check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
             ).stdout
             gpus = []
             for line in out.strip().splitlines():

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="params.yaml", help="file to write (params.yaml)")
     parser.add_argument("--config-dir", default="conf")
     parser.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="do not write; exit 1 when the file differs from the composition",
     )
 
@@ -33,12 +34,11 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         current = yaml.safe_load(out.read_text(encoding="utf-8")) if out.exists() else None
         if current == composed:
-            print(f"{out} is up to date with {args.config_dir}/ {' '.join(args.overrides)}".rstrip())
+            print(f"{out} is up to date with {args.config_dir}/ {' '.join(args.overrides)}")
             return 0
         old = out.read_text(encoding="utf-8").splitlines() if out.exists() else []
-        sys.stdout.writelines(
-            line + "\n" for line in difflib.unified_diff(old, text.splitlines(), str(out), "composed")
-        )
+        diff = difflib.unified_diff(old, text.splitlines(), str(out), "composed", lineterm="")
+        sys.stdout.writelines(line + "\n" for line in diff)
         print(f"{out} is stale: run `draftline compose {' '.join(args.overrides)}` and commit it")
         return 1
     atomic.write_text(out, text)

@@ -1,0 +1,326 @@
+"""Time, storage and cost of a run on each hardware profile, before spending them.
+
+Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
+`draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500`;
+`draftline plan --from-metrics` after a run puts the plan and the measured figures side by side.
+Measured stage metrics under --metrics-dir replace estimates where they exist (docs/pipeline.md,
+"Metrics read by `draftline plan`").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from draftline import hardware, params, planning, target
+
+METRIC_FILES = ("curate", "validate", "extract", "train")
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b")
+    parser.add_argument("--config-dir", default="conf")
+    parser.add_argument("--metrics-dir", default="metrics", help="stage metrics of a run")
+    parser.add_argument(
+        "--params", default="params.yaml", help="params of the run that wrote the metrics"
+    )
+    parser.add_argument(
+        "--samples", type=positive_int, help="conversations to generate (overrides all)"
+    )
+    parser.add_argument("--completion-tokens", type=positive, help="mean completion tokens/sample")
+    parser.add_argument("--prompt-tokens", type=positive, help="mean prompt tokens per sample")
+    parser.add_argument(
+        "--storage-budget-tb",
+        type=positive,
+        default=planning.DEFAULT_STORAGE_BUDGET_TB,
+        help=f"flag offline features above this (default {planning.DEFAULT_STORAGE_BUDGET_TB:g})",
+    )
+    parser.add_argument(
+        "--time-limit-days",
+        type=positive,
+        default=planning.DEFAULT_TIME_LIMIT_DAYS,
+        help=f"flag stages longer than this (default {planning.DEFAULT_TIME_LIMIT_DAYS:g})",
+    )
+    parser.add_argument(
+        "--from-metrics",
+        action="store_true",
+        help="show the estimate-only plan and the plan from measured metrics side by side",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def read_metrics(
+    folder: str | Path, run_params: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Parsed stage metrics under `folder` (missing files are skipped) and notes on bad ones.
+
+    Stages record their hardware profile but not always the target or data set; those come
+    from `run_params` (the params.yaml of the run), so figures of another target are not used.
+    """
+    root = Path(folder)
+    tags: dict[str, Any] = {}
+    if run_params:
+        tags["model"] = target.model_ref(run_params["model"])
+        if (run_params.get("hardware") or {}).get("name") not in (None, "auto"):
+            tags["hardware_profile"] = run_params["hardware"]["name"]
+    found: dict[str, Any] = {}
+    notes: list[str] = []
+
+    def load(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            notes.append(f"ignored {path}: {err}")
+            return None
+        if not isinstance(data, dict):
+            notes.append(f"ignored {path}: not a JSON object")
+            return None
+        return {**tags, **{k: v for k, v in data.items() if v is not None}}
+
+    for name in METRIC_FILES:
+        path = root / f"{name}.json"
+        if path.is_file() and (data := load(path)) is not None:
+            if name == "curate" and run_params:
+                data.setdefault("data", (run_params.get("data") or {}).get("name"))
+            found[name] = data
+            found.setdefault("paths", {})[name] = path.as_posix()
+    shards = {}
+    for path in sorted((root / "generate").glob("*.json")):
+        if (data := load(path)) is not None:
+            shards[path.as_posix()] = data
+    if shards:
+        found["generate"] = shards
+    return found, notes
+
+
+def run(args: argparse.Namespace) -> int:
+    composed = params.compose(args.overrides, args.config_dir)
+    profiles = hardware.load_profiles(args.config_dir)
+    run_params, notes = None, []
+    if Path(args.params).is_file():
+        try:
+            run_params = params.load(args.params)
+        except SystemExit as err:
+            notes.append(f"{args.params} not used to tag metrics: {err}")
+    metrics, read_notes = read_metrics(args.metrics_dir, run_params)
+    notes += read_notes
+    if args.from_metrics and not metrics:
+        raise SystemExit(
+            f"no stage metrics under {args.metrics_dir}/: run the pipeline first (dvc repro) "
+            "or point --metrics-dir at a run's metrics"
+        )
+    options = {
+        "samples": args.samples,
+        "completion_tokens": args.completion_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "storage_budget_tb": args.storage_budget_tb,
+        "time_limit_days": args.time_limit_days,
+    }
+    plan = planning.build_plan(composed, profiles, metrics, **options)
+    plan["notes"] = notes + plan["notes"]
+    if args.from_metrics:
+        planned = planning.build_plan(composed, profiles, {}, **options)
+        result: dict[str, Any] = {
+            "schema": planning.SCHEMA,
+            "planned": planned,
+            "measured": plan,
+            "metrics_files": _metric_files(metrics, args.metrics_dir),
+        }
+    else:
+        result = plan
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if args.from_metrics:
+        print_comparison(console, result["planned"], result["measured"])
+    else:
+        print_plan(console, plan)
+    return 0
+
+
+def _metric_files(metrics: dict[str, Any], folder: str) -> list[str]:
+    files = [path for name, path in (metrics.get("paths") or {}).items() if name in METRIC_FILES]
+    return files + sorted(metrics.get("generate") or {})
+
+
+# Rendering (rich). Kept here: it is this command's presentation, the numbers live in planning.
+
+
+def duration(seconds: float | None) -> str:
+    """Days for long stages, smaller units for the short stages of a CPU run."""
+    if seconds is None:
+        return "—"
+    if seconds >= planning.DAY_S:
+        return f"{seconds / planning.DAY_S:,.2f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
+
+
+def _stage_cell(info: dict[str, Any]) -> str:
+    text = duration(info["seconds"])
+    if info.get("range_days"):
+        low, high = info["range_days"]
+        text += f" ({low:.2f}–{high:.2f})"
+    return f"[bold red]{text} ![/]" if info["over_limit"] else text
+
+
+def _money(value: float | None) -> str:
+    return "—" if value is None else f"${value:,.0f}"
+
+
+def _rate(figure: dict[str, Any]) -> str:
+    value = figure.get("value")
+    if value is None:
+        return "—"
+    text = f"{value:,.0f}"
+    if figure.get("low") is not None and figure.get("high") is not None:
+        text += f" ({figure['low']:,.0f}–{figure['high']:,.0f})"
+    return text
+
+
+def _header(plan: dict[str, Any]) -> str:
+    m = plan["model"]
+    return (
+        f"[bold]{m['name']}[/] ({m['ref']}), drafter {plan['drafter']['name']} x "
+        f"{plan['drafter']['epochs']} epochs, data {plan['data']}, features {plan['features']}"
+    )
+
+
+def _input_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+    labels = {
+        "samples": "samples (generate)",
+        "train_samples": "samples (extract/train)",
+        "prompt_tokens": "prompt tokens / sample",
+        "completion_tokens": "completion tokens / sample",
+        "sequence_tokens": "sequence tokens / sample",
+        "bytes_per_token": "feature bytes / token",
+    }
+    return [
+        (label, f"{plan['inputs'][key]['value']:,.0f}", plan["inputs"][key]["source"])
+        for key, label in labels.items()
+    ]
+
+
+def print_plan(console: Any, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print(_header(plan))
+    inputs = Table("input", "value", "source", title="Inputs", title_justify="left")
+    for row in _input_rows(plan):
+        inputs.add_row(*row)
+    console.print(inputs)
+
+    s = plan["storage"]
+    over = " [bold red]over budget ![/]" if s["over_budget"] else ""
+    console.print(
+        f"Offline features: [bold]{s['offline_features_tb']:,.1f} TB[/] "
+        f"(budget {s['budget_tb']:g} TB){over}; online token packs "
+        f"{s['online_token_packs_bytes'] / 1e9:,.1f} GB"
+    )
+    limit = plan["limits"]["time_limit_days"]
+    table = Table(
+        "profile",
+        "$/h",
+        "generate",
+        "extract",
+        "train offline",
+        "train online",
+        "total offline",
+        "total online",
+        "cost offline",
+        "cost online",
+        title=f"Wall time per stage (! over the {limit:g}-day limit)",
+        title_justify="left",
+    )
+    for p in plan["profiles"].values():
+        st, tot = p["stages"], p["total"]
+        table.add_row(
+            p["name"],
+            f"{p['price_per_hour']:g}",
+            *(_stage_cell(st[k]) for k in planning.STAGES),
+            duration(tot["offline"]["seconds"]),
+            duration(tot["online"]["seconds"]),
+            _money(tot["offline"]["cost_usd"]),
+            _money(tot["online"]["cost_usd"]),
+        )
+    console.print(table)
+
+    sources = Table("profile", "tok/s", "value", "source", title="Throughput", title_justify="left")
+    for p in plan["profiles"].values():
+        for key, figure in p["throughput"].items():
+            sources.add_row(p["name"], key.removesuffix("_tok_s"), _rate(figure), figure["source"])
+    console.print(sources)
+    _print_advice(console, plan)
+
+
+def _print_advice(console: Any, plan: dict[str, Any]) -> None:
+    for flag in plan["flags"]:
+        console.print(f"[bold red]FLAG[/] {flag['message']}")
+    for rec in plan["recommendations"]:
+        console.print(f"[bold green]RECOMMEND[/] {rec['message']}")
+    for note in plan.get("notes") or []:
+        console.print(f"[yellow]note[/] {note}")
+
+
+def print_comparison(console: Any, planned: dict[str, Any], measured: dict[str, Any]) -> None:
+    """Planned (estimates only) and measured (metrics where they exist) side by side."""
+    from rich.table import Table
+
+    console.print(_header(measured))
+    inputs = Table(
+        "input", "planned", "measured", "measured source", title="Inputs", title_justify="left"
+    )
+    for (label, plan_value, _), (_, value, source) in zip(
+        _input_rows(planned), _input_rows(measured), strict=True
+    ):
+        inputs.add_row(label, plan_value, value, source)
+    console.print(inputs)
+    for p_plan, p_meas in zip(
+        planned["profiles"].values(), measured["profiles"].values(), strict=True
+    ):
+        table = Table(
+            "figure",
+            "planned",
+            "measured",
+            "measured source",
+            title=p_meas["name"],
+            title_justify="left",
+        )
+        for key in p_meas["throughput"]:
+            a, b = p_plan["throughput"][key], p_meas["throughput"][key]
+            table.add_row(key, _rate(a), _rate(b), b["source"])
+        for key in planning.STAGES:
+            table.add_row(
+                f"{key} time",
+                _stage_cell(p_plan["stages"][key]),
+                _stage_cell(p_meas["stages"][key]),
+                p_meas["stages"][key]["source"],
+            )
+        for mode in ("offline", "online"):
+            a, b = p_plan["total"][mode], p_meas["total"][mode]
+            table.add_row(f"total {mode}", duration(a["seconds"]), duration(b["seconds"]), "")
+            table.add_row(f"cost {mode}", _money(a["cost_usd"]), _money(b["cost_usd"]), "")
+        console.print(table)
+    _print_advice(console, measured)

@@ -1,0 +1,96 @@
+"""Start, stop or show the SGLang servers of this node (from the hardware profile).
+
+  draftline serve start [--hardware b200x8] [--host 0.0.0.0] [--port 30000] [--dry-run]
+  draftline serve status
+  draftline serve stop [--port 30000 | --all]
+
+Servers bind 127.0.0.1 unless --host says otherwise, log to logs/serve/, and outlive the
+generate stages that use them; `stop` ends only servers that `start` started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from draftline import hardware, params, sglang_server
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["start", "stop", "status"])
+    parser.add_argument("--params", default="params.yaml", help="composed params (model, hardware)")
+    parser.add_argument(
+        "--hardware", default=None, help="profile name in conf/hardware (default: params.yaml's)"
+    )
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: the profile's)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for /health")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
+    parser.add_argument("--all", action="store_true", help="stop: every server start started")
+
+
+def profile_for(p: dict[str, Any], name: str | None) -> dict[str, Any]:
+    if name is None:
+        return hardware.resolve_profile(p["hardware"])
+    profiles = hardware.load_profiles()
+    if name == "auto":
+        return hardware.resolve_profile({"detect": True})
+    if name not in profiles:
+        raise SystemExit(f"no hardware profile {name!r}: choose one of {', '.join(profiles)}")
+    return {**profiles[name], "resolved_from": name}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "status":
+        return _status()
+    if args.action == "stop":
+        return _stop(args)
+    p = params.load(args.params)
+    profile = profile_for(p, args.hardware)
+    try:
+        command = sglang_server.server_command(profile, p["model"], host=args.host, port=args.port)
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        timeout = args.timeout or float((p.get("generate") or {}).get("serve_timeout_s", 1800))
+        state = sglang_server.start(
+            profile, p["model"], host=args.host, port=args.port, timeout_s=timeout
+        )
+    except sglang_server.ServeError as exc:
+        print(f"serve start failed: {exc}")
+        return 1
+    print(f"SGLang ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, log {state.log}")
+    return 0
+
+
+def _status() -> int:
+    states = sglang_server.read_states(Path("."))
+    if not states:
+        print("no server started by `draftline serve start` on this node")
+        return 0
+    for s in states:
+        up = sglang_server.alive(s)
+        health = "healthy" if up and sglang_server.healthy(s.url) else "not answering"
+        print(f"{s.url}  pid {s.pid}  {'running' if up else 'gone'}, {health}  "
+              f"profile {s.profile}  log {s.log}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    states = sglang_server.read_states(Path("."))
+    if not args.all:
+        if args.port is None and len(states) > 1:
+            ports = ", ".join(str(s.port) for s in states)
+            print(f"several servers are running (ports {ports}): pass --port or --all")
+            return 1
+        if args.port is not None:
+            states = [s for s in states if s.port == args.port]
+    if not states:
+        print("nothing to stop: no server started by `draftline serve start` matches")
+        return 0
+    for s in states:
+        stopped = sglang_server.stop(s)
+        print(f"{'stopped' if stopped else 'already gone:'} {s.url} (pid {s.pid})")
+    return 0

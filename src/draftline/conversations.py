@@ -1,0 +1,296 @@
+"""Raw conversations: finding input files, reading their rows, normalising rows to chat messages.
+
+Rows are ShareGPT (`conversations`: from/value), OpenAI-style (`messages`: role/content) or
+prompt rows (`prompt`, optional `system`), stored as JSONL, JSON (an array, or an object holding
+one) or Parquet, each plain or gzip. Reading streams (line by line, Parquet record batch by
+batch), so memory stays flat over millions of rows. A row that cannot be used becomes a
+`Rejection` with a reason from `REASONS`; nothing here raises on bad data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+# Rejection reasons, in the order the checks run (docs/pipeline.md).
+REASONS = (
+    "malformed_json",
+    "unknown_format",
+    "unknown_role",
+    "empty_turn",
+    "broken_alternation",
+    "no_user_turn",
+    "duplicate",
+    "prompt_too_long",
+)
+
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+USER_ROLES = frozenset({"user", "human"})
+ASSISTANT_ROLES = frozenset(
+    {"assistant", "gpt", "chatgpt", "bard", "model", "bing", "claude", "ai", "bot"}
+)
+SYSTEM_ROLES = frozenset({"system"})
+
+# Raw text kept for a rejected whole file (a JSON document that does not parse) is capped.
+MAX_RAW_FILE_CHARS = 65536
+PARQUET_BATCH_ROWS = 4096
+
+Message = dict[str, str]
+
+
+class Rejection(NamedTuple):
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One input row: where it came from, and either its parsed value or why it did not parse."""
+
+    source: str
+    line: int  # 1-based line (JSONL) or row number (JSON array, Parquet)
+    value: Any = None
+    raw: str | None = None  # the text as read, when the reader had it (JSONL)
+    error: Rejection | None = None
+
+    def raw_text(self) -> str:
+        if self.raw is not None:
+            return self.raw
+        return orjson.dumps(self.value, default=str).decode()
+
+
+def input_format(path: Path) -> str | None:
+    """`jsonl`, `json` or `parquet` from the file name (a trailing `.gz` is allowed), else None."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return SUFFIX_FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def list_input_files(sources: list[str]) -> tuple[list[Path], list[Path]]:
+    """Input files of `sources` (files, or folders scanned recursively in sorted order).
+
+    Returns (files to read, files skipped in folders because their type is not an input type).
+    A missing source or a named file of an unknown type is a configuration error.
+    """
+    files: list[Path] = []
+    skipped: list[Path] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            for child in sorted(p for p in path.rglob("*") if p.is_file()):
+                (files if input_format(child) else skipped).append(child)
+        elif path.is_file():
+            if input_format(path) is None:
+                raise SystemExit(
+                    f"data.sources: {source} is not a .jsonl, .ndjson, .json or .parquet file "
+                    "(optionally .gz); rename it or point data.sources at a folder"
+                )
+            files.append(path)
+        else:
+            raise SystemExit(
+                f"data.sources: {source} does not exist (run from the repository root, or set "
+                f"data.sources, e.g. `draftline compose 'data.sources=[path/to/files]'`)"
+            )
+    return files, skipped
+
+
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    # gzip by content, not by name: a mislabelled file still reads.
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def read_rows(path: Path) -> Iterator[RawRow]:
+    """Every row of one input file, in file order."""
+    fmt = input_format(path)
+    source = path.as_posix()
+    if fmt == "jsonl":
+        yield from _read_jsonl(path, source)
+    elif fmt == "json":
+        yield from _read_json(path, source)
+    elif fmt == "parquet":
+        yield from _read_parquet(path, source)
+    else:
+        raise ValueError(f"{path}: not an input file type")
+
+
+def _read_jsonl(path: Path, source: str) -> Iterator[RawRow]:
+    with _open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
+                continue  # blank lines are not rows
+            try:
+                value = orjson.loads(line)
+            except orjson.JSONDecodeError as err:
+                raw = line.decode("utf-8", errors="replace")
+                yield RawRow(source, number, raw=raw, error=Rejection("malformed_json", str(err)))
+                continue
+            yield RawRow(source, number, value=value, raw=line.decode("utf-8", errors="replace"))
+
+
+def _read_json(path: Path, source: str) -> Iterator[RawRow]:
+    with _open_binary(path) as f:
+        data = f.read()
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as err:
+        raw = data[: MAX_RAW_FILE_CHARS * 4].decode("utf-8", errors="replace")[:MAX_RAW_FILE_CHARS]
+        line = getattr(err, "lineno", 1) or 1
+        yield RawRow(source, line, raw=raw, error=Rejection("malformed_json", f"file: {err}"))
+        return
+    rows = _json_rows(value)
+    if rows is None:  # one record, or an object that holds no array of rows
+        yield RawRow(source, 1, value=value)
+        return
+    for number, row in enumerate(rows, start=1):
+        yield RawRow(source, number, value=row)
+
+
+def _json_rows(value: Any) -> list[Any] | None:
+    """The rows of a JSON document: the array itself, or the one array an object holds."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, dict) and not (value.keys() & {"conversations", "messages", "prompt"}):
+        arrays = [v for v in value.values() if isinstance(v, list)]
+        if len(arrays) == 1:
+            return arrays[0]
+    return None
+
+
+def _read_parquet(path: Path, source: str) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        with _open_binary(path) as f:
+            # Parquet needs random access; a gzip stream is read into memory first.
+            handle: Any = io.BytesIO(f.read()) if isinstance(f, gzip.GzipFile) else path
+        parquet = pq.ParquetFile(handle)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is one rejected row
+        yield RawRow(source, 1, raw="", error=Rejection("unknown_format", f"unreadable: {err}"))
+        return
+    number = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for row in batch.to_pylist():
+            number += 1
+            yield RawRow(source, number, value=row)
+
+
+def normalise(value: Any) -> list[Message] | Rejection:
+    """The row's prompt as messages, or why it cannot be one.
+
+    Roles become system/user/assistant; content is stripped of surrounding whitespace; an empty
+    system prompt is dropped; the conversation is cut after its last user turn (the target
+    regenerates what follows). The kept prefix must be: optional system, then user and
+    assistant alternating, starting and ending with user, no empty turn.
+    """
+    if not isinstance(value, dict):
+        return Rejection("unknown_format", f"row is a JSON {_json_type(value)}, not an object")
+    if "conversations" in value:
+        turns, role_key, content_key = value["conversations"], "from", "value"
+    elif "messages" in value:
+        turns, role_key, content_key = value["messages"], "role", "content"
+    elif "prompt" in value:
+        turns = [{"role": "user", "content": value["prompt"]}]
+        role_key, content_key = "role", "content"
+    else:
+        keys = ", ".join(sorted(map(str, value.keys()))[:8]) or "none"
+        return Rejection(
+            "unknown_format", f"no 'conversations', 'messages' or 'prompt' key (keys: {keys})"
+        )
+    if not isinstance(turns, list):
+        return Rejection("unknown_format", f"turns are a JSON {_json_type(turns)}, not an array")
+
+    messages: list[Message] = []
+    system = value.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            return Rejection("unknown_format", f"'system' is a JSON {_json_type(system)}")
+        if system.strip():
+            messages.append({"role": "system", "content": system.strip()})
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return Rejection("unknown_format", f"turn {index} is a JSON {_json_type(turn)}")
+        # Accept either key pair in either format: datasets mix them.
+        role_raw = turn.get(role_key, turn.get("role", turn.get("from")))
+        content_raw = turn.get(content_key, turn.get("content", turn.get("value")))
+        role = _role(role_raw)
+        if role is None:
+            return Rejection("unknown_role", f"turn {index}: role {role_raw!r}")
+        content = _content(content_raw)
+        if content is None:
+            return Rejection(
+                "unknown_format", f"turn {index}: content is a JSON {_json_type(content_raw)}"
+            )
+        if role == "system" and not content and not messages:
+            continue  # an empty system prompt says nothing
+        messages.append({"role": role, "content": content})
+
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if last_user < 0:
+        return Rejection("no_user_turn", f"{len(messages)} turns, none from the user")
+    messages = messages[: last_user + 1]
+    for index, message in enumerate(messages):
+        if not message["content"]:
+            return Rejection("empty_turn", f"turn {index} ({message['role']}) is empty")
+    start = 1 if messages[0]["role"] == "system" else 0
+    for index in range(start, len(messages)):
+        expected = "user" if (index - start) % 2 == 0 else "assistant"
+        if messages[index]["role"] != expected:
+            roles = ",".join(m["role"] for m in messages)
+            return Rejection(
+                "broken_alternation",
+                f"turn {index} is {messages[index]['role']}, expected {expected} (roles: {roles})",
+            )
+    return messages
+
+
+def _role(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    role = value.strip().lower()
+    if role in USER_ROLES:
+        return "user"
+    if role in ASSISTANT_ROLES:
+        return "assistant"
+    if role in SYSTEM_ROLES:
+        return "system"
+    return None
+
+
+def _content(value: Any) -> str | None:
+    """Text of a message: a string, or OpenAI-style text parts joined; None when not text."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in value
+    ):
+        return "".join(p["text"] for p in value).strip()
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+def canonical_json(messages: list[Message]) -> bytes:
+    """The canonical JSON the id hashes: sorted keys, no whitespace, UTF-8."""
+    return orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)

@@ -1,0 +1,87 @@
+"""Target-layer features: the hidden states of the target layers a DFlash drafter reads.
+
+One function, used by extraction (offline features written to packs) and by online training
+(features computed on the fly with the frozen target). Layer id i is the output of decoder layer
+i, i.e. HF `hidden_states[i + 1]`. The forward stops right after the last needed layer: later
+layers, the final norm and the lm_head never run, which saves their compute and memory.
+
+It works with any HF decoder whose base model keeps its blocks in `.layers` (Qwen3, Llama, ...):
+the model's own forward builds masks and positions (padding, packed sequences, sliding windows),
+forward hooks collect the chosen layers' outputs, and the hook on the last one ends the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class _EnoughLayers(Exception):
+    """Raised by the hook on the last needed layer to end the forward early."""
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder blocks of a causal LM (`model.model.layers`) or of its base model."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__} has no `.model.layers`: draftline.features supports HF "
+            "decoder-only models such as Qwen3ForCausalLM"
+        )
+    return layers
+
+
+@torch.no_grad()
+def target_layer_states(
+    model: Any,
+    input_ids: torch.Tensor,
+    layer_ids: Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Hidden states of `layer_ids`, concatenated per token in the given order.
+
+    input_ids: [batch, seq] token ids. attention_mask: optional [batch, seq], 1 for real tokens
+    (padding, left or right). position_ids: optional [batch, seq]; positions that restart at 0
+    inside a row mark packed sequences (HF then keeps them from attending to each other).
+    Returns [batch, seq, len(layer_ids) * hidden_size] in the model's dtype, without gradients
+    (the target is frozen). Padded positions hold unspecified values.
+    """
+    layers = decoder_layers(model)
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("layer_ids is empty: name at least one target layer")
+    bad = [i for i in ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range: the target has {len(layers)} layers")
+    last = max(ids)
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(layer_id: int):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if layer_id == last:
+                raise _EnoughLayers
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(keep(i)) for i in sorted(set(ids))]
+    base = getattr(model, "model", model)
+    try:
+        base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+    except _EnoughLayers:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if last not in captured:
+        raise RuntimeError(f"the forward ended before layer {last}: is the model truncated?")
+    return torch.cat([captured[i] for i in ids], dim=-1)

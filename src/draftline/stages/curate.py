@@ -1,0 +1,77 @@
+"""Stage `curate`: raw conversations -> data/curated/ (train shards, eval, rejected) + metrics.
+
+Reads `data.*` and the target tokenizer (`model.*`) from params.yaml. Fails (exit 1) when more
+than `data.max_reject_rate` of the rows are rejected, after writing the tables and metrics so
+the rejected rows can be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftline import params as params_mod
+from draftline.atomic import write_json
+from draftline.curation import CurateSettings, PromptTokenCounter, curate
+from draftline.hardware import describe, resolve_profile
+from draftline.target import load_tokenizer
+
+OUT_DIR = "data/curated"
+METRICS_PATH = "metrics/curate.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
+    parser.add_argument("--out", default=OUT_DIR, help=f"output folder (default {OUT_DIR})")
+    parser.add_argument("--metrics", default=METRICS_PATH, help=f"metrics file ({METRICS_PATH})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    params = params_mod.load(args.params)
+    data, model = params["data"], params["model"]
+    sources = [str(s) for s in data["sources"]]
+    if len(sources) > 1:
+        # dvc.yaml can only name the first source as a dependency (DVC cannot interpolate a list
+        # into deps): edits inside the others would not rerun this stage.
+        print(
+            f"curate: warning: only {sources[0]} is a DVC dependency; put all sources under one "
+            "folder so that changes to any of them rerun curate",
+            file=sys.stderr,
+        )
+    settings = CurateSettings(
+        max_prompt_tokens=int(data["max_prompt_tokens"]),
+        eval_fraction=float(data["eval_fraction"]),
+        num_shards=int(data["num_shards"]),
+        split_seed=str(data["split_seed"]),
+    )
+    counter = PromptTokenCounter(
+        load_tokenizer(model), model.get("chat_template_kwargs"), settings.max_prompt_tokens
+    )
+    result = curate(sources, args.out, counter, settings, progress=not args.no_progress)
+
+    metrics = result.metrics()
+    metrics["hardware"] = describe(resolve_profile(params.get("hardware") or {}))
+    write_json(args.metrics, metrics)
+
+    print(
+        f"curate: {result.rows_read} rows read, {result.rows_kept} kept "
+        f"({metrics['train_rows']} train in {settings.num_shards} shards, "
+        f"{result.eval_rows} eval), {result.rows_rejected} rejected -> {args.out}",
+        file=sys.stderr,
+    )
+    for path in result.files_skipped:
+        print(f"curate: skipped {path} (not .jsonl/.ndjson/.json/.parquet)", file=sys.stderr)
+    max_rate = float(data["max_reject_rate"])
+    if result.reject_rate > max_rate:
+        print(
+            f"curate: FAILED: {result.rows_rejected} of {result.rows_read} rows rejected "
+            f"({result.reject_rate:.1%}), over data.max_reject_rate={max_rate:.1%}. "
+            f"Top reasons:\n{result.reject_summary()}\n"
+            f"All rejected rows, with reasons and raw text: {args.out}/rejected.parquet. "
+            "Fix the inputs (data.sources), raise data.max_prompt_tokens if prompts are too "
+            "long, or raise data.max_reject_rate if this share is expected.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

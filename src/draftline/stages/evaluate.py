@@ -1,0 +1,128 @@
+"""Stage `evaluate`: offline greedy acceptance length tau of the exported drafter.
+
+On the held-out prompts (`data/generated/eval.parquet`) the target writes its greedy
+continuation, one target forward gives the features, and the chained walk scores the trained
+drafter (`models/drafter/`) and, as the baseline, the same drafter untrained (same config,
+random init seeded by `drafter.seed`). Metrics for `dvc exp show`; plots of the per-position
+acceptance and of the commit-length histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from draftline import hardware, params
+from draftline.atomic import write_json, write_text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="composed parameters")
+    parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out split")
+    parser.add_argument("--drafter", default="models/drafter", help="exported drafter")
+    parser.add_argument("--metrics", default="metrics/evaluate.json")
+    parser.add_argument("--plots", default="plots/evaluate", help="folder of plot CSVs")
+
+
+def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
+    """Prompt ids of the first `max_prompts` rows by id (the table is sorted by id)."""
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise SystemExit(f"evaluate: {path} not found: run `dvc repro generate_eval`")
+    rows = pq.read_table(path, columns=["id", "prompt_ids"]).to_pylist()
+    rows.sort(key=lambda r: r["id"])
+    prompts = [list(r["prompt_ids"]) for r in rows[:max_prompts] if r["prompt_ids"]]
+    if not prompts:
+        raise SystemExit(f"evaluate: {path} has no prompts")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from draftline.evaluation import evaluate_drafter, greedy_continuations
+    from draftline.export import load_drafter
+    from draftline.extraction import pack_features
+    from draftline.target import load_model, load_tokenizer, special_token_id
+    from draftline.training import Hyperparameters, build_drafter
+
+    p = params.load(args.params)
+    profile = hardware.resolve_profile(p["hardware"])
+    if profile.get("num_threads"):
+        torch.set_num_threads(int(profile["num_threads"]))
+    device = torch.device("cuda" if str(profile.get("device", "cpu")).startswith("cuda") else "cpu")
+    model_cfg, ev = p["model"], p["evaluate"]
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise SystemExit(f"evaluate: no drafter in {args.drafter}: run `dvc repro train`")
+
+    prompts = held_out_prompts(Path(args.eval), int(ev["max_prompts"]))
+    target = load_model(model_cfg, device=str(device), dtype=str(profile.get("precision", "fp32")))
+    eot = special_token_id(load_tokenizer(model_cfg), str(model_cfg["end_of_turn_token"]))
+    batch = int((profile.get("local") or {}).get("batch_size") or 16)
+    continuations = greedy_continuations(
+        target, prompts, int(ev["max_new_tokens"]), eot, batch, device
+    )
+    sequences = [(pr + c, len(pr)) for pr, c in zip(prompts, continuations, strict=True)]
+    layer_ids = [int(i) for i in model_cfg["target_layer_ids"]]
+    tokens_per_batch = int(profile.get("extract_tokens_per_batch") or 4096)
+    feats, _ = pack_features(target, [s for s, _ in sequences], layer_ids, tokens_per_batch, device)
+    features = list(feats.split([len(s) for s, _ in sequences]))  # bf16, as training sees them
+
+    from draftline.dflash import TargetHead
+
+    head = TargetHead.from_model(target)
+    trained = load_drafter(args.drafter, head).to(device)
+    untrained = build_drafter(model_cfg, Hyperparameters.from_params(p["drafter"]), head)
+    untrained = untrained.to(device).eval()
+    if untrained.config.block_size != trained.config.block_size:
+        raise SystemExit(
+            f"evaluate: {args.drafter} has block size {trained.config.block_size}, params say "
+            f"{untrained.config.block_size}: retrain (dvc repro train)"
+        )
+    reports = {
+        "trained": evaluate_drafter(trained, sequences, features).summary(),
+        "untrained": evaluate_drafter(untrained, sequences, features).summary(),
+    }
+    result = metrics(reports, continuations, profile)
+    write_json(args.metrics, result)
+    write_plots(Path(args.plots), reports)
+    print(
+        f"evaluate: tau {result['tau']:.3f} (untrained {result['tau_untrained']:.3f}, "
+        f"x{result['tau_ratio']:.2f}) on {len(prompts)} prompts, block size "
+        f"{trained.config.block_size}"
+    )
+    return 0
+
+
+def metrics(
+    reports: dict[str, dict[str, Any]], continuations: list[list[int]], profile: dict[str, Any]
+) -> dict[str, Any]:
+    tau, base = reports["trained"]["tau"], reports["untrained"]["tau"]
+    return {
+        "tau": tau,
+        "tau_untrained": base,
+        "tau_ratio": tau / base if base else 0.0,
+        "num_prompts": len(continuations),
+        "continuation_tokens_mean": sum(map(len, continuations)) / max(1, len(continuations)),
+        **reports,
+        **hardware.describe(profile),
+    }
+
+
+def write_plots(folder: Path, reports: dict[str, dict[str, Any]]) -> None:
+    """acceptance.csv (position, trained, untrained) and tau_histogram.csv (committed, ...)."""
+    names = list(reports)
+    for file, key, x in (
+        ("acceptance.csv", "acceptance_rate", "position"),
+        ("tau_histogram.csv", "commit_histogram", "committed"),
+    ):
+        buf = io.StringIO()
+        out = csv.writer(buf, lineterminator="\n")
+        out.writerow([x, *names])
+        for k in reports[names[0]][key]:
+            out.writerow([k, *(reports[n][key][k] for n in names)])
+        write_text(folder / file, buf.getvalue())

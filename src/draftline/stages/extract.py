@@ -1,0 +1,131 @@
+"""Stage `extract`: generated shards -> token packs, plus target features when offline.
+
+Refuses to run unless `data/validated/verdict.json` says the data passed validation. With a
+hardware profile of several processes per node it reruns itself under torchrun; under a
+torchrun the user started (several nodes) it takes its rank from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from draftline import distributed, hardware, params
+from draftline.atomic import write_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="composed parameters")
+    parser.add_argument("--shards", default="data/generated/train", help="generated shards")
+    parser.add_argument("--verdict", default="data/validated/verdict.json")
+    parser.add_argument("--out", default="data/extracted", help="output folder")
+    parser.add_argument("--metrics", default="metrics/extract.json")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def require_passed_verdict(path: Path) -> dict[str, Any]:
+    """The validation verdict; exits with the fix when it is missing or not passed."""
+    if not path.is_file():
+        raise SystemExit(
+            f"extract: {path} not found: the generated data has not passed validation; "
+            "run `dvc repro validate` and fix what it reports"
+        )
+    verdict = json.loads(path.read_text(encoding="utf-8"))
+    if verdict.get("passed") is not True:
+        raise SystemExit(f"extract: {path} does not say passed: extraction refused ({verdict})")
+    return verdict
+
+
+def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
+    from draftline.extraction import ExtractSettings
+    from draftline.target import model_ref
+
+    return ExtractSettings(
+        features=str(p["extract"]["features"]),
+        max_length=int(p["extract"]["max_length"]),
+        target_layer_ids=[int(i) for i in p["model"]["target_layer_ids"]],
+        model_ref=model_ref(p["model"]),
+        hidden_size=int(p["model"]["hidden_size"]),
+        pack_tokens=int(p["extract"]["pack_tokens"]),
+        tokens_per_batch=int(profile["extract_tokens_per_batch"]),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    p = params.load(args.params)
+    profile = hardware.resolve_profile(p["hardware"])
+    require_passed_verdict(Path(args.verdict))
+    if p["extract"]["features"] == "offline":
+        relaunched = distributed.run_under_torchrun(
+            int(profile.get("processes_per_node") or 1),
+            ["draftline", "extract", *_forwarded(args)],
+        )
+        if relaunched is not None:
+            return relaunched
+    # Online extraction only copies token ids: one process does it at disk speed.
+
+    import torch
+
+    from draftline.extraction import extract
+    from draftline.target import load_model
+
+    if profile.get("num_threads"):
+        torch.set_num_threads(int(profile["num_threads"]))
+    distributed.init()
+    try:
+        device = distributed.device(str(profile.get("device") or "cpu"))
+        precision = str(profile.get("precision") or "fp32")
+        result = extract(
+            sorted(Path(args.shards).glob("shard-*.parquet")),
+            Path(args.out),
+            settings_from_params(p, profile),
+            model_loader=lambda: load_model(p["model"], device=str(device), dtype=precision),
+            device=device,
+            progress=not args.no_progress and distributed.rank() == 0,
+        )
+        if distributed.rank() == 0:
+            write_json(args.metrics, metrics(result, profile))
+            idx = result.index
+            print(
+                f"extract: {idx['num_sequences']} sequences, {idx['num_tokens']} tokens in "
+                f"{len(idx['shards'])} packs ({result.packs_skipped} already complete), "
+                f"{result.bytes_written / 2**20:.1f} MiB"
+            )
+    finally:
+        distributed.close()
+    return 0
+
+
+def metrics(result: Any, profile: dict[str, Any]) -> dict[str, Any]:
+    idx = result.index
+    tokens = result.tokens_this_run
+    return {
+        "features": idx["features"],
+        "num_sequences": idx["num_sequences"],
+        "num_tokens": idx["num_tokens"],
+        "num_supervised_tokens": idx["num_supervised_tokens"],
+        "num_packs": len(idx["shards"]),
+        "packs_skipped": result.packs_skipped,
+        "dropped": result.dropped,
+        "truncated_sequences": result.truncated,
+        "bytes_written": result.bytes_written,
+        "bytes_per_token": result.bytes_written / max(1, idx["num_tokens"]),
+        "tokens_this_run": tokens,
+        "seconds": round(result.seconds, 3),
+        "tokens_per_s": tokens / result.seconds if result.seconds > 0 else 0.0,
+        "padding_share": 1 - tokens / result.padded_tokens_this_run
+        if result.padded_tokens_this_run
+        else 0.0,
+        "world_size": distributed.world_size(),
+        **hardware.describe(profile),
+    }
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    out = [
+        f"--params={args.params}", f"--shards={args.shards}", f"--verdict={args.verdict}",
+        f"--out={args.out}", f"--metrics={args.metrics}",
+    ]  # fmt: skip
+    return [*out, "--no-progress"] if args.no_progress else out

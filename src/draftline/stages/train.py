@@ -1,0 +1,107 @@
+"""Stage `train`: extracted data -> DFlash drafter (`models/drafter/`), metrics and plots.
+
+With a hardware profile of several processes per node it reruns itself under torchrun (DDP);
+under a torchrun the user started (several nodes) it takes its rank from the environment.
+A killed run resumes from `.draftline/train/checkpoint.pt` (working state, not a DVC output)
+and ends exactly where an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from draftline import distributed, hardware, params
+from draftline.atomic import write_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="composed parameters")
+    parser.add_argument("--data", default="data/extracted", help="extracted packs")
+    parser.add_argument("--out", default="models/drafter", help="exported drafter folder")
+    parser.add_argument("--metrics", default="metrics/train.json")
+    parser.add_argument("--live", default="dvclive/train", help="dvclive folder (plots)")
+    parser.add_argument(
+        "--checkpoint", default=".draftline/train/checkpoint.pt", help="resume state"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=25, help="steps between checkpoints"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    p = params.load(args.params)
+    profile = hardware.resolve_profile(p["hardware"])
+    relaunched = distributed.run_under_torchrun(
+        int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
+    )
+    if relaunched is not None:
+        return relaunched
+
+    import torch
+
+    from draftline.export import export_drafter
+    from draftline.training import Hyperparameters, RunOptions, train
+
+    if profile.get("num_threads"):
+        torch.set_num_threads(int(profile["num_threads"]))
+    hp = Hyperparameters.from_params(p["drafter"])
+    options = RunOptions(
+        device=str(profile.get("device") or "cpu"),
+        precision=str(profile.get("precision") or "fp32"),
+        micro_batch_size=int(profile.get("micro_batch_size") or 1),
+        checkpoint_path=Path(args.checkpoint),
+        checkpoint_every=args.checkpoint_every,
+        live_dir=Path(args.live),
+        progress=not args.no_progress,
+    )
+    try:
+        result = train(args.data, p["model"], hp, options)
+        if distributed.rank() == 0:
+            export_drafter(result.drafter, args.out)
+            write_json(args.metrics, metrics(result, hp, options, profile))
+            last = result.history[-1] if result.history else {}
+            print(
+                f"train: {result.steps} steps on {result.num_sequences} sequences "
+                f"({result.dropped_sequences} dropped), final loss {last.get('loss', 0):.3f}, "
+                f"accuracy {last.get('acc', 0):.3f}, {result.tokens_per_s:.0f} tokens/s; "
+                f"drafter in {args.out}"
+            )
+    finally:
+        distributed.close()
+    return 0
+
+
+def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict[str, Any]:
+    last = result.history[-1] if result.history else {}
+    return {
+        "steps": result.steps,
+        "resumed_from_step": result.resumed_from_step,
+        "num_sequences": result.num_sequences,
+        "dropped_sequences": result.dropped_sequences,
+        "final_loss": last.get("loss"),
+        "final_accuracy": last.get("acc"),
+        "final_accuracy_per_position": [
+            last.get(f"acc_pos/{k}") for k in range(1, hp.block_size)
+        ],
+        "first_loss": result.history[0]["loss"] if result.history else None,
+        "tokens_this_run": result.tokens,
+        "seconds": round(result.seconds, 3),
+        "tokens_per_s": result.tokens_per_s,
+        "world_size": result.world_size,
+        "micro_batch_size": options.micro_batch_size,
+        "global_batch_size": hp.global_batch_size,
+        "features": "online" if result.extra.get("online") else "offline",
+        **hardware.describe(profile),
+    }
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    out = [
+        f"--params={args.params}", f"--data={args.data}", f"--out={args.out}",
+        f"--metrics={args.metrics}", f"--live={args.live}", f"--checkpoint={args.checkpoint}",
+        f"--checkpoint-every={args.checkpoint_every}",
+    ]  # fmt: skip
+    return [*out, "--no-progress"] if args.no_progress else out

@@ -1,0 +1,28 @@
+"""Shared test setup. Tests run on a 2-core machine: keep torch to few threads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """The committed embedded target (models/tiny-target)."""
+    path = REPO_ROOT / "models" / "tiny-target"
+    assert (path / "config.json").exists(), "models/tiny-target is missing: draftline build-tiny-target"
+    return path

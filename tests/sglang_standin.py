@@ -1,0 +1,169 @@
+"""A stand-in for an SGLang server, for tests and benchmarks (SGLang itself needs a GPU).
+
+It speaks SGLang's native protocol faithfully for what draftline uses:
+- `POST /generate` with `input_ids` (one list, or a batch of lists), `sampling_params`
+  (`max_new_tokens`, `stop_token_ids`, ...) and `rid`; it answers `{"text", "output_ids",
+  "meta_info": {"id", "finish_reason": {"type": "stop", "matched": <id>} | {"type": "length",
+  "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}` (a list
+  of those for a batch), and `{"error": {"message"}}` with HTTP 400 for a malformed request;
+- `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading.
+
+The "model" is a deterministic function of the prompt ids, so a sample regenerated after a
+resume is identical. `--mode` shapes completions: `think` (`<think> t.. </think> a.. <eot>`),
+`empty` (two tokens then end of turn: the "OK." failure), `truncated` (never ends a turn).
+
+Faults, for the fault tests: `--p500` / `--p429` (share of requests answered 500 / 429),
+`--pdrop` (share whose connection is closed without an answer), `--delay` (seconds per answer),
+`--die-after N` (the process exits abruptly after N answers). `--log FILE` appends every received
+`rid` (flushed), so tests count what was generated. `--argv-log FILE` records the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+
+
+def completion_for(prompt: list[int], params: dict[str, Any], opts: argparse.Namespace) -> dict:
+    max_new = int(params.get("max_new_tokens", 128))
+    stops = [int(t) for t in params.get("stop_token_ids") or []]
+    digest = hashlib.sha256(json.dumps(prompt).encode()).digest()
+    vocab_low, vocab_high = opts.vocab_low, opts.vocab_high
+    body = [vocab_low + b % (vocab_high - vocab_low) for b in digest]  # 32 "content" tokens
+    if opts.mode == "think":
+        n_think, n_answer = 4 + digest[0] % 12, 2 + digest[1] % 10
+        out = [opts.think_start, *body[:n_think], opts.think_end, *body[n_think : n_think + n_answer]]
+    elif opts.mode == "empty":
+        out = body[:2]
+    else:  # truncated: keeps going
+        out = (body * (max_new // len(body) + 1))[: max_new + 1]
+    if opts.mode != "truncated" and stops:
+        out.append(stops[0])
+    if len(out) > max_new:
+        out = out[:max_new]
+        reason: dict[str, Any] = {"type": "length", "length": max_new}
+    elif stops and out and out[-1] in stops:
+        reason = {"type": "stop", "matched": out[-1]}
+    else:
+        reason = {"type": "length", "length": len(out)}
+    return {"output_ids": out, "reason": reason}
+
+
+class StandIn:
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        self.rng = random.Random(opts.seed)
+        self.ready_at = time.monotonic() + opts.startup_delay
+        self.answers = 0
+        self.log = open(opts.log, "a", encoding="utf-8") if opts.log else None  # noqa: SIM115
+
+    async def health(self, request: web.Request) -> web.Response:
+        if time.monotonic() < self.ready_at:
+            return web.Response(status=503, text="loading")
+        return web.Response(text="")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            data = json.loads(await request.read())
+            rid = data.get("rid")
+            if self.log:
+                self.log.write(f"{rid}\n")
+                self.log.flush()
+            ids = data["input_ids"]
+            if not ids:
+                raise ValueError("input_ids is empty")
+        except (ValueError, KeyError) as exc:
+            return web.json_response({"error": {"message": f"bad request: {exc}"}}, status=400)
+        roll = self.rng.random()
+        o = self.opts
+        if roll < o.p500:
+            return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        if roll < o.p500 + o.p429:
+            return web.json_response({"error": {"message": "too many"}}, status=429)
+        if roll < o.p500 + o.p429 + o.pdrop:
+            assert request.transport is not None
+            request.transport.close()  # the client sees the connection drop mid-request
+            return web.Response(status=500)
+        if o.delay:
+            await asyncio.sleep(o.delay)
+        batch = ids and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        answers = []
+        for prompt, one_rid in zip(prompts, rids, strict=True):
+            gen = completion_for(prompt, data.get("sampling_params") or {}, o)
+            answers.append(
+                {
+                    "text": "",
+                    "output_ids": gen["output_ids"],
+                    "meta_info": {
+                        "id": one_rid,
+                        "finish_reason": gen["reason"],
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(gen["output_ids"]),
+                        "cached_tokens": 0,
+                        "e2e_latency": time.monotonic() - started,
+                    },
+                }
+            )
+        self.answers += 1
+        if o.die_after and self.answers > o.die_after:
+            os._exit(1)  # the server dies abruptly, mid-shard
+        return web.json_response(answers if batch else answers[0], dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--mode", choices=["think", "empty", "truncated"], default="think")
+    p.add_argument("--think-start", type=int, default=5)
+    p.add_argument("--think-end", type=int, default=6)
+    p.add_argument("--vocab-low", type=int, default=20)
+    p.add_argument("--vocab-high", type=int, default=200)
+    p.add_argument("--p500", type=float, default=0.0)
+    p.add_argument("--p429", type=float, default=0.0)
+    p.add_argument("--pdrop", type=float, default=0.0)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--startup-delay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None)
+    p.add_argument("--argv-log", default=None)
+    return p
+
+
+def make_app(opts: argparse.Namespace) -> web.Application:
+    server = StandIn(opts)
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_get("/health", server.health)
+    app.router.add_post("/generate", server.generate)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, _unknown = build_parser().parse_known_args(argv)  # real SGLang flags are accepted
+    if opts.argv_log:
+        with open(opts.argv_log, "w", encoding="utf-8") as f:
+            json.dump(sys.argv if argv is None else argv, f)
+    web.run_app(
+        make_app(opts), host=opts.host, port=opts.port, print=None, access_log=None, backlog=4096
+    )
+
+
+if __name__ == "__main__":
+    main()

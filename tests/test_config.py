@@ -1,0 +1,138 @@
+"""The Hydra tree: every combination composes, profiles are consistent, compose --check works."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftline import params
+from draftline.hardware import GPUInfo, load_profiles, match_profile, resolve_profile
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+COMBOS = list(
+    itertools.product(
+        options("model"), options("data"), options("drafter"), options("hardware"), options("quality")
+    )
+)
+
+
+def dflash_layer_ids(num_layers: int, k: int) -> list[int]:
+    if k == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+
+
+def test_groups_have_the_expected_options() -> None:
+    assert {"tiny", "qwen3_6_27b", "qwen3_8b"} <= set(options("model"))
+    assert {"sample", "sharegpt"} <= set(options("data"))
+    assert {"dflash_b16", "dflash_tiny"} <= set(options("drafter"))
+    assert {"cpu", "pro6000x4", "b200x8", "auto"} <= set(options("hardware"))
+    assert len(COMBOS) >= 48
+
+
+@pytest.mark.parametrize(("model", "data", "drafter", "hw", "quality"), COMBOS)
+def test_every_combination_composes(model: str, data: str, drafter: str, hw: str, quality: str):
+    cfg = params.compose(
+        [f"model={model}", f"data={data}", f"drafter={drafter}", f"hardware={hw}", f"quality={quality}"],
+        CONF,
+    )
+    assert cfg["model"]["name"] == model and cfg["hardware"]["name"] == hw
+    assert cfg["data"]["shard_ids"] == list(range(cfg["data"]["num_shards"]))
+    # Interpolations resolved: stage sections follow the chosen model and drafter.
+    assert cfg["generate"]["max_new_tokens"] == cfg["model"]["max_new_tokens"]
+    assert cfg["extract"]["max_length"] == cfg["drafter"]["max_length"]
+    # Hardware is the only group that says how to run: no hardware key leaks elsewhere.
+    for section, values in cfg.items():
+        if section != "hardware" and isinstance(values, dict):
+            assert not {"engine", "dp_size", "micro_batch_size"} & values.keys(), section
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3_6_27b", "qwen3_8b"])
+def test_target_layer_ids_follow_the_dflash_rule(model: str) -> None:
+    cfg = yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text())
+    ids = cfg["target_layer_ids"]
+    assert ids == dflash_layer_ids(cfg["num_hidden_layers"], len(ids))
+    assert len(set(ids)) == len(ids) and max(ids) < cfg["num_hidden_layers"]
+
+
+def test_production_target_matches_reference() -> None:
+    cfg = yaml.safe_load((CONF / "model" / "qwen3_6_27b.yaml").read_text())
+    assert cfg["num_hidden_layers"] == 64 and cfg["hidden_size"] == 5120
+    assert cfg["vocab_size"] == 248320 and cfg["target_layer_ids"] == [1, 16, 31, 46, 61]
+    assert cfg["chat_template_kwargs"]["enable_thinking"] is True
+
+
+def test_gpu_profiles_are_data_parallel_as_measured() -> None:
+    profiles = load_profiles(CONF)
+    assert profiles["pro6000x4"]["sglang"]["dp_size"] == 4
+    assert profiles["b200x8"]["sglang"]["dp_size"] == 8
+    assert profiles["b200x8"]["sglang"]["tp_size"] == 1
+    assert profiles["b200x8"]["sglang"]["quantization"] == "fp8"
+    assert profiles["pro6000x4"]["throughput"]["generate_tok_s"] == 1600
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        ([], "cpu"),
+        ([GPUInfo("NVIDIA B200", 183359)] * 8, "b200x8"),
+        ([GPUInfo("NVIDIA RTX PRO 6000 Blackwell Server Edition", 97887)] * 4, "pro6000x4"),
+        # Fewer GPUs than a profile needs: fall back rather than over-subscribe.
+        ([GPUInfo("NVIDIA B200", 183359)] * 2, "cpu"),
+        ([GPUInfo("NVIDIA H100 80GB HBM3", 81559)] * 8, "cpu"),
+    ],
+)
+def test_auto_matches_the_node(gpus: list[GPUInfo], expected: str) -> None:
+    assert match_profile(gpus, load_profiles(CONF)) == expected
+
+
+def test_auto_resolves_to_a_concrete_profile_here() -> None:
+    auto = params.compose(["hardware=auto"], CONF)["hardware"]
+    resolved = resolve_profile(auto, CONF)
+    assert resolved["resolved_from"] == "auto"
+    assert resolved["name"] in load_profiles(CONF)
+    assert "engine" in resolved
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "draftline", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_committed_params_are_the_default_composition(repo_root: Path) -> None:
+    result = run_cli("compose", "--check", cwd=repo_root)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_writes_and_check_detects_staleness(tmp_path: Path, repo_root: Path) -> None:
+    out = tmp_path / "params.yaml"
+    conf = str(repo_root / "conf")
+    written = run_cli("compose", "hardware=b200x8", "data.num_shards=3", "--output", str(out),
+                      "--config-dir", conf, cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    data = yaml.safe_load(out.read_text())
+    assert data["hardware"]["name"] == "b200x8" and data["data"]["shard_ids"] == [0, 1, 2]
+    stale = run_cli("compose", "--check", "--output", str(out), "--config-dir", conf, cwd=tmp_path)
+    assert stale.returncode == 1 and "stale" in stale.stdout
+    unknown = run_cli("compose", "hardware=nope", "--output", str(out), "--config-dir", conf,
+                      cwd=tmp_path)
+    assert unknown.returncode != 0 and "nope" in unknown.stderr
+
+
+def test_inconsistent_shard_list_names_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"data": {"num_shards": 3, "shard_ids": [0, 1]}}))
+    with pytest.raises(SystemExit, match="draftline compose data.num_shards=3"):
+        params.load(path)

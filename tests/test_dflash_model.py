@@ -1,0 +1,134 @@
+"""The drafter model: shapes, the training attention mask, and its two formulations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftline import dflash
+from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
+
+torch.set_num_threads(1)
+
+VOCAB, HIDDEN, BLOCK = 50, 32, 4
+
+
+def make_drafter(seed: int = 0, layers: int = 2) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = DFlashConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        block_size=BLOCK,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=[0, 1, 2],
+        num_target_layers=4,
+    )
+    head = TargetHead(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))
+    return DFlashDrafter(config, head).eval()
+
+
+def inputs(seed: int = 1, t: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(2, t, 3 * HIDDEN, generator=g)
+    anchors = torch.tensor([[3, 10, 20, 30], [0, 6, 7, 35]])
+    anchor_ids = torch.randint(0, VOCAB - 1, (2, 4), generator=g)
+    return feats, anchor_ids, anchors
+
+
+def test_shapes_and_block_inputs():
+    drafter = make_drafter()
+    feats, anchor_ids, anchors = inputs()
+    block_ids = drafter.block_input_ids(anchor_ids)
+    assert block_ids.shape == (2, 4, BLOCK)
+    assert torch.equal(block_ids[..., 0], anchor_ids)
+    assert (block_ids[..., 1:] == VOCAB - 1).all()
+    hidden = drafter(feats, block_ids, anchors)
+    assert hidden.shape == (2, 4, BLOCK, HIDDEN)
+    assert drafter.logits(hidden).shape == (2, 4, BLOCK, VOCAB)
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert "layers.1.self_attn.k_norm.weight" in names
+    assert not [n for n in names if "embed" in n or "lm_head" in n]
+
+
+def test_block_sees_only_context_before_its_anchor_and_its_own_block():
+    drafter = make_drafter()
+    feats, anchor_ids, anchors = inputs()
+    block_ids = drafter.block_input_ids(anchor_ids)
+    with torch.no_grad():
+        base = drafter(feats, block_ids, anchors)
+        row, j, a = 0, 1, 10  # block 1 of row 0 has anchor 10
+
+        after = feats.clone()
+        after[row, a:] += torch.randn_like(after[row, a:])  # at and after the anchor
+        out = drafter(after, block_ids, anchors)
+        assert torch.allclose(out[row, j], base[row, j], atol=1e-5)
+        assert not torch.allclose(out[row, 3], base[row, 3], atol=1e-3)  # anchor 30 sees it
+
+        others = block_ids.clone()
+        others[row, [0, 2, 3], 0] = (others[row, [0, 2, 3], 0] + 1) % (VOCAB - 1)
+        out = drafter(feats, others, anchors)
+        assert torch.allclose(out[row, j], base[row, j], atol=1e-5)
+
+        before = feats.clone()
+        before[row, a - 1] += 1.0  # the last context position the block may see
+        out = drafter(before, block_ids, anchors)
+        assert not torch.allclose(out[row, j], base[row, j], atol=1e-3)
+        assert torch.allclose(out[row, 0], base[row, 0], atol=1e-5)  # anchor 3 does not
+
+        own = block_ids.clone()
+        own[row, j, 0] = (own[row, j, 0] + 1) % (VOCAB - 1)
+        out = drafter(feats, own, anchors)
+        assert not torch.allclose(out[row, j, 1:], base[row, j, 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("queries_per_chunk", [4, 8, 512])
+def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk):
+    monkeypatch.setattr(dflash, "QUERIES_PER_CHUNK", queries_per_chunk)
+    feats, anchor_ids, anchors = inputs()
+    results = []
+    for implementation in ("blockwise", "dense"):
+        drafter = make_drafter().train()
+        drafter.attention_implementation = implementation
+        x = feats.clone().requires_grad_(True)
+        hidden = drafter(x, drafter.block_input_ids(anchor_ids), anchors)
+        hidden.square().sum().backward()
+        results.append((hidden.detach(), x.grad, drafter.fc.weight.grad))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_block_matches_the_batched_training_pass():
+    drafter = make_drafter()
+    feats, anchor_ids, anchors = inputs()
+    with torch.no_grad():
+        logits = drafter.logits(drafter(feats, drafter.block_input_ids(anchor_ids), anchors))
+        a = int(anchors[1, 3])
+        draft = drafter.draft_block(feats[1, :a], int(anchor_ids[1, 3]))
+    assert torch.equal(draft, logits[1, 3, 1:].argmax(-1))
+
+
+def test_config_from_a_qwen3_target_and_json_round_trip():
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(
+        vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, rope_theta=5e5,
+    ).to_dict()  # fmt: skip
+    config = DFlashConfig.from_target(
+        target, num_hidden_layers=2, block_size=8, mask_token_id=119, target_layer_ids=[1, 3, 5]
+    )
+    assert (config.hidden_size, config.num_key_value_heads, config.head_dim) == (48, 2, 8)
+    assert config.rope_theta == 5e5 and config.num_target_layers == 6
+    data = config.to_json_dict()
+    assert data["dflash_config"] == {"mask_token_id": 119, "target_layer_ids": [1, 3, 5]}
+    assert DFlashConfig.from_json_dict(data) == config
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DFlashConfig.from_target(
+            target, num_hidden_layers=2, block_size=8, mask_token_id=119, target_layer_ids=[6]
+        )

@@ -1,0 +1,234 @@
+"""Offline tau: the chained walk on hand-made drafts, the batched walk against the step-by-step
+reference with a real drafter, greedy continuations, and the evaluate stage end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tiny_qwen3 import END_OF_TURN, VOCAB, generated_row, tiny_qwen3, write_shard
+
+from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.evaluation import (
+    Cycle,
+    TauReport,
+    anchor_drafts,
+    chained_walk,
+    greedy_continuations,
+    judge,
+    walk_batched,
+    walk_step_by_step,
+)
+from draftline.features import target_layer_states
+
+torch.set_num_threads(1)
+B = 4
+LAYER_IDS = [1, 2, 4]
+MASK_ID = VOCAB - 1
+
+
+def perfect(tokens):
+    return lambda a: tokens[a + 1 : a + B]
+
+
+def test_perfect_drafter_commits_whole_blocks():
+    prompt, tokens = 5, list(range(5 + 10 * B + 1))  # 10 full blocks after the prompt
+    cycles = chained_walk(tokens, prompt, perfect(tokens))
+    assert [c.committed for c in cycles] == [B] * 10
+    report = TauReport(B)
+    report.add(cycles)
+    assert report.tau == B
+
+
+def test_always_wrong_drafter_commits_one_token_per_cycle():
+    tokens = list(range(30))
+    cycles = chained_walk(tokens, 6, lambda a: [-1] * (B - 1))
+    assert len(cycles) == 30 - 1 - 6
+    assert all(c.accepted == 0 and c.committed == 1 for c in cycles)
+    assert [c.verifiable for c in cycles[-3:]] == [3, 2, 1]  # fewer tokens left to judge
+
+
+def test_walk_chains_anchors_by_commits_and_stops_at_the_end():
+    tokens = list(range(20))
+    visited = []
+
+    def two_right(a):  # the first two drafts right, the third wrong
+        visited.append(a)
+        return [a + 1, a + 2, -1]
+
+    cycles = chained_walk(tokens, 3, two_right)
+    assert visited == [3, 6, 9, 12, 15, 18]
+    assert [c.committed for c in cycles] == [3, 3, 3, 3, 3, 1]  # 1 token left after 18
+    # A perfect block near the end commits only what is left.
+    assert judge([8, 9, 10], [8, 9]) == Cycle(accepted=2, verifiable=2, committed=2)
+
+
+def test_summary_rates_and_histogram():
+    report = TauReport(B)
+    report.add([Cycle(3, 3, 4), Cycle(1, 3, 2)])
+    report.add([Cycle(0, 3, 1)])
+    s = report.summary()
+    assert s["tau"] == pytest.approx((3 + 1) / 2)  # prompts averaged: (3 + 1) / 2
+    assert s["tau_per_cycle"] == pytest.approx(7 / 3)
+    assert s["acceptance_rate"] == {"1": 2 / 3, "2": 1 / 2, "3": 1.0}
+    assert s["accepted_at_least"] == {"1": 2 / 3, "2": 1 / 3, "3": 1 / 3}
+    assert s["commit_histogram"] == {"1": 1, "2": 1, "3": 0, "4": 1}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3(num_layers=6)
+
+
+def make_drafter(target, seed: int = 0) -> DFlashDrafter:
+    config = DFlashConfig.from_target(
+        target.config.to_dict(), num_hidden_layers=2, block_size=B, mask_token_id=MASK_ID,
+        target_layer_ids=LAYER_IDS,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return DFlashDrafter(config, TargetHead.from_model(target)).eval()
+
+
+def test_batched_drafts_equal_one_block_at_a_time(target):
+    drafter = make_drafter(target)
+    tokens = torch.randint(0, VOCAB - 1, (30,), generator=torch.Generator().manual_seed(0))
+    feats = target_layer_states(target, tokens[None], LAYER_IDS)[0]
+    anchors = torch.arange(2, 29)
+    batched = anchor_drafts(drafter, feats, tokens, anchors)
+    for a, row in zip(anchors.tolist(), batched, strict=True):
+        assert torch.equal(row, drafter.draft_block(feats[:a], int(tokens[a])))
+
+
+def sequence_with_known_acceptance(target, drafter, prompt_len: int, cycles: int, seed: int):
+    """Tokens built so that at each visited anchor exactly `accepted[i]` drafts are right.
+
+    The target is causal, so the features of a prefix are those of the whole sequence: the
+    drafts at anchor a can be computed before the tokens after a are chosen.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB - 1, (prompt_len + 1,), generator=g).tolist()
+    accepted = []
+    a = prompt_len
+    for _ in range(cycles):
+        feats = target_layer_states(target, torch.tensor([tokens[:a]]), LAYER_IDS)[0]
+        drafts = drafter.draft_block(feats, tokens[a]).tolist()
+        k = int(torch.randint(0, B, (1,), generator=g))  # 0..B-1 right drafts
+        wrong = [] if k == B - 1 else [(drafts[k] + 1) % (VOCAB - 1)]
+        tokens = tokens[: a + 1] + drafts[:k] + wrong
+        if k == B - 1:  # a full block: the bonus token is free
+            tokens.append(int(torch.randint(0, VOCAB - 1, (1,), generator=g)))
+        accepted.append(k)
+        a += k + 1
+    return tokens, accepted
+
+
+def test_walks_recover_a_known_acceptance_pattern(target):
+    drafter = make_drafter(target)
+    tokens, accepted = sequence_with_known_acceptance(target, drafter, 5, cycles=12, seed=3)
+    assert len(set(accepted)) > 2  # a mix of short and long acceptances
+    feats = target_layer_states(target, torch.tensor([tokens]), LAYER_IDS)[0]
+    batched = walk_batched(drafter, feats, tokens, 5)
+    assert [c.accepted for c in batched] == accepted
+    assert [c.committed for c in batched] == [k + 1 for k in accepted]
+    assert batched == walk_step_by_step(drafter, feats, tokens, 5)
+    report = TauReport(B)
+    report.add(batched)
+    assert report.tau == pytest.approx(sum(k + 1 for k in accepted) / len(accepted))
+
+
+def test_greedy_continuations_match_a_token_by_token_argmax(target):
+    prompts = [[5, 9, 11], [4] * 7, [20, 21]]
+    got = greedy_continuations(target, prompts, max_new_tokens=6, end_of_turn_id=END_OF_TURN,
+                               batch_size=2)  # fmt: skip
+    for prompt, continuation in zip(prompts, got, strict=True):
+        ids = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                nxt = int(target(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == END_OF_TURN:
+                break
+        assert continuation == ids[len(prompt) :]
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A real tokenizer for the stage: one word per id, with the chat and mask specials."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["<|im_end|>"], vocab["<|MASK|>"] = END_OF_TURN, MASK_ID
+    del vocab[f"w{END_OF_TURN}"], vocab[f"w{MASK_ID}"]
+    core = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    core.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0").save_pretrained(folder)
+
+
+def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
+    from draftline.cli import main
+    from draftline.evaluation import evaluate_drafter
+    from draftline.export import export_drafter
+
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    save_word_tokenizer(target_dir)
+    g = torch.Generator().manual_seed(5)
+    rows = [
+        generated_row(n, torch.randint(3, VOCAB - 1, (int(4 + n % 5),), generator=g).tolist(),
+                      [7, END_OF_TURN])
+        for n in range(6)
+    ]  # fmt: skip
+    eval_file = write_shard(tmp_path / "eval.parquet", rows)
+    export_drafter(make_drafter(target, seed=1), tmp_path / "drafter")
+    drafter_params = {
+        "num_hidden_layers": 2, "block_size": B, "gamma": 4.0, "max_anchors": 8,
+        "global_batch_size": 2, "lr": 1e-3, "weight_decay": 0.0, "warmup_ratio": 0.0,
+        "epochs": 1, "grad_clip": 1.0, "seed": 0,
+    }  # fmt: skip
+    params = {
+        "model": {"path": str(target_dir), "revision": None, "target_layer_ids": LAYER_IDS,
+                  "mask_token": "<|MASK|>", "mask_token_id": MASK_ID,
+                  "end_of_turn_token": "<|im_end|>"},
+        "drafter": drafter_params,
+        "evaluate": {"max_new_tokens": 12, "max_prompts": 5},
+        "hardware": {"name": "cpu", "engine": "local", "device": "cpu", "precision": "fp32",
+                     "local": {"batch_size": 4}, "extract_tokens_per_batch": 64},
+    }  # fmt: skip
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    plots = tmp_path / "plots"
+    code = main([
+        "evaluate", f"--params={tmp_path / 'params.yaml'}", f"--eval={eval_file}",
+        f"--drafter={tmp_path / 'drafter'}", f"--metrics={tmp_path / 'evaluate.json'}",
+        f"--plots={plots}",
+    ])  # fmt: skip
+    assert code == 0
+    m = json.loads((tmp_path / "evaluate.json").read_text())
+    assert m["num_prompts"] == 5 and m["hardware_profile"] == "cpu"
+    for key in ("tau", "tau_untrained"):
+        assert 1.0 <= m[key] <= B
+    assert m["tau_ratio"] == pytest.approx(m["tau"] / m["tau_untrained"])
+    assert m["trained"]["num_tokens"] == sum(
+        json.loads(json.dumps(m["trained"]["commit_histogram"]))[k] * int(k)
+        for k in m["trained"]["commit_histogram"]
+    )
+    # The untrained baseline is the seed-0 drafter; recompute its tau independently.
+    prompts = [r["prompt_ids"] for r in sorted(rows, key=lambda r: r["id"])[:5]]
+    conts = greedy_continuations(target, prompts, 12, END_OF_TURN, batch_size=1)
+    seqs = [(p + c, len(p)) for p, c in zip(prompts, conts, strict=True)]
+    feats = [
+        target_layer_states(target, torch.tensor([s]), LAYER_IDS)[0].to(torch.bfloat16)
+        for s, _ in seqs
+    ]
+    baseline = evaluate_drafter(make_drafter(target, seed=0), seqs, feats)
+    assert m["tau_untrained"] == pytest.approx(baseline.tau)
+    with open(plots / "acceptance.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["position"] for r in table] == ["1", "2", "3"]
+    assert set(table[0]) == {"position", "trained", "untrained"}
+    assert (plots / "tau_histogram.csv").read_text().startswith("committed,trained,untrained")

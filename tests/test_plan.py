@@ -1,0 +1,540 @@
+"""`draftline plan`: the seed's arithmetic, flags, recommendations, measured metrics, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from draftline import cli, hardware, params, planning
+from draftline.commands import plan as plan_cmd
+
+SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
+SEED_SIZES = {"samples": 914_000, "completion_tokens": 2_500, "prompt_tokens": 500}
+KINDS = {"input", "measured", "estimate", "derived", "unknown"}
+REPO_CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(scope="module")
+def conf(repo_root: Path) -> Path:
+    return repo_root / "conf"
+
+
+@pytest.fixture(scope="module")
+def seed_params(conf: Path) -> dict[str, Any]:
+    return params.compose(SEED, conf)
+
+
+@pytest.fixture(scope="module")
+def profiles(conf: Path) -> dict[str, dict[str, Any]]:
+    return hardware.load_profiles(conf)
+
+
+@pytest.fixture(scope="module")
+def seed_plan(seed_params, profiles) -> dict[str, Any]:
+    return planning.build_plan(seed_params, profiles, {}, **SEED_SIZES)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+@pytest.fixture
+def run_metrics(tmp_path: Path) -> Path:
+    """Metrics of a small run of the production target on b200x8, as the stages write them."""
+    root = tmp_path / "metrics"
+    ref = "Qwen/Qwen3.6-27B@main"
+    write_json(root / "curate.json", {"rows_kept": 1000, "train_rows": 990, "eval_rows": 10})
+    write_json(root / "validate.json", {"completion_tokens_mean": 800, "prompt_tokens_mean": 200})
+    shard = {"hardware_profile": "b200x8", "model": ref, "samples": 500, "output_tokens": 400_000}
+    write_json(root / "generate" / "shard-00000.json", {**shard, "wall_s": 100.0})
+    write_json(root / "generate" / "shard-00001.json", {**shard, "wall_s": 300.0})
+    # Another target's shard must not count: it would dominate the rate if it did.
+    write_json(
+        root / "generate" / "shard-00002.json",
+        {**shard, "model": "Qwen/Qwen3-8B@main", "output_tokens": 10**9, "wall_s": 1.0},
+    )
+    common = {"hardware_profile": "b200x8", "model": ref}
+    write_json(
+        root / "extract.json",
+        {**common, "tokens_per_s": 5000.0, "bytes_per_token": 51200, "features": "offline"},
+    )
+    write_json(root / "train.json", {**common, "tokens_per_s": 4000.0, "features": "offline"})
+    # The run's params.yaml, next to its metrics: tags files that do not name their target.
+    run_params = params.compose([*SEED, "hardware=b200x8"], REPO_CONF)
+    (tmp_path / "params.yaml").write_text(params.to_yaml(run_params), encoding="utf-8")
+    return root
+
+
+def run_params_file(metrics_dir: Path) -> str:
+    return str(metrics_dir.parent / "params.yaml")
+
+
+# The seed's arithmetic (REFERENCE §1, §3).
+
+
+def test_seed_generation_days_on_pro6000_and_b200(seed_plan):
+    pro = seed_plan["profiles"]["pro6000x4"]["stages"]["generate"]
+    # 914K x 2,500 / 1,600 tok/s.
+    assert pro["seconds"] == pytest.approx(914_000 * 2_500 / 1_600)
+    assert round(pro["days"], 1) == 16.5
+    assert pro["over_limit"] is True
+    b200 = seed_plan["profiles"]["b200x8"]["stages"]["generate"]
+    low, high = b200["range_days"]
+    assert (round(low, 2), round(high, 2)) == (0.88, 1.76)
+    assert (round(low, 1), round(high, 1)) == (0.9, 1.8)
+    assert b200["days"] == pytest.approx(914_000 * 2_500 / 22_500 / 86_400)
+    assert b200["over_limit"] is False
+
+
+def test_seed_offline_features_are_about_140_tb(seed_params, seed_plan):
+    assert planning.feature_bytes_per_token(seed_params["model"]) == 51_200
+    inputs = seed_plan["inputs"]
+    assert inputs["bytes_per_token"]["value"] == 51_200
+    assert inputs["sequence_tokens"]["value"] == 3_000
+    # Eval rows (data.eval_fraction 0.002) are generated but never extracted.
+    assert inputs["train_samples"]["value"] == round(914_000 * 0.998)
+    storage = seed_plan["storage"]
+    assert storage["offline_features_tb"] == pytest.approx(912_172 * 3_000 * 51_200 / 1e12)
+    assert round(storage["offline_features_tb"]) == 140
+    assert storage["online_token_packs_bytes"] == 912_172 * 3_000 * 5
+
+
+def test_stage_times_costs_and_online_pays_the_target_forward(seed_plan, profiles):
+    b200 = seed_plan["profiles"]["b200x8"]
+    tokens = 912_172 * 3_000
+    assert b200["stages"]["extract"]["seconds"] == pytest.approx(tokens / 100_000)
+    assert b200["stages"]["train_offline"]["seconds"] == pytest.approx(6 * tokens / 90_000)
+    online = b200["stages"]["train_online"]["seconds"]
+    assert online == pytest.approx(6 * tokens * (1 / 90_000 + 1 / 100_000))
+    assert b200["throughput"]["train_online_tok_s"]["kind"] == "derived"
+    total = b200["total"]["offline"]
+    expected = sum(b200["stages"][k]["seconds"] for k in ("generate", "extract", "train_offline"))
+    assert total["seconds"] == pytest.approx(expected)
+    assert total["cost_usd"] == pytest.approx(
+        expected / 3600 * profiles["b200x8"]["price_per_hour"]
+    )
+    assert b200["total"]["online"]["seconds"] == pytest.approx(
+        b200["stages"]["generate"]["seconds"] + online
+    )
+
+
+def test_cpu_has_no_estimate_and_says_so(seed_plan):
+    cpu = seed_plan["profiles"]["cpu"]
+    assert all(cpu["stages"][k]["seconds"] is None for k in planning.STAGES)
+    assert cpu["total"]["offline"]["missing"] == ["generate", "extract", "train_offline"]
+    assert cpu["total"]["offline"]["cost_usd"] is None
+    assert cpu["throughput"]["generate_tok_s"]["kind"] == "unknown"
+    assert "conf/hardware/cpu.yaml" in cpu["throughput"]["generate_tok_s"]["source"]
+
+
+def test_every_figure_names_its_source(seed_plan):
+    for figure in seed_plan["inputs"].values():
+        if isinstance(figure, dict):
+            assert figure["kind"] in KINDS and figure["source"]
+    assert seed_plan["inputs"]["samples"]["kind"] == "input"
+    for name, prof in seed_plan["profiles"].items():
+        for figure in prof["throughput"].values():
+            assert figure["kind"] in KINDS and figure["source"]
+        if name != "cpu":
+            assert prof["throughput"]["generate_tok_s"]["source"].startswith(
+                f"conf/hardware/{name}.yaml throughput.generate_tok_s"
+            )
+
+
+# Flags and recommendations.
+
+
+def test_storage_over_budget_flags_and_recommends_concrete_numbers(seed_plan):
+    storage_flags = [f for f in seed_plan["flags"] if f["kind"] == "storage"]
+    assert len(storage_flags) == 1 and "140.1 TB" in storage_flags[0]["message"]
+    recs = {r["kind"]: r for r in seed_plan["recommendations"]}
+    assert recs["online_features"]["override"] == "extract.features=online"
+    assert recs["online_features"]["storage_bytes"] == 912_172 * 3_000 * 5
+    # The largest subset and the longest max length that fit 20 TB, and not one more.
+    per_sample = 3_000 * 51_200
+    assert recs["subset"]["samples"] == 130_208
+    assert 130_208 * per_sample <= 20e12 < 130_209 * per_sample
+    assert recs["max_length"]["max_length"] == 428
+    assert recs["max_length"]["override"] == "extract.max_length=428"
+    assert 912_172 * 428 * 51_200 <= 20e12 < 912_172 * 429 * 51_200
+    # 428 tokens do not even hold the 500-token mean prompt: the plan says it is no way out.
+    assert recs["max_length"]["completion_tokens_kept"] == 0
+    assert recs["max_length"]["usable"] is False
+    assert "too short" in recs["max_length"]["message"]
+
+
+def test_max_length_recommendation_is_usable_when_the_budget_allows(seed_params, profiles):
+    plan = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=100)
+    rec = next(r for r in plan["recommendations"] if r["kind"] == "max_length")
+    assert rec["max_length"] == math.floor(100e12 / (912_172 * 51_200))  # 2,141
+    assert rec["completion_tokens_kept"] == 2_141 - 500
+    assert rec["usable"] is True and "too short" not in rec["message"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "error"),
+    [
+        ("--samples=0", "must be a whole number > 0"),
+        ("--samples=1.5", "invalid positive_int value"),
+        ("--completion-tokens=-5", "must be > 0"),
+        ("--storage-budget-tb=0", "must be > 0"),
+    ],
+)
+def test_cli_rejects_meaningless_inputs(flag, error, capsys):
+    with pytest.raises(SystemExit) as err:
+        cli.main(["plan", *SEED, flag])
+    assert err.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_time_flags_fire_per_stage_and_profile(seed_plan):
+    timed = {(f["profile"], f["stage"]) for f in seed_plan["flags"] if f["kind"] == "time"}
+    # pro6000x4: generation 16.5 d, offline training 19.0 d, online 36.3 d (7-day limit).
+    assert timed == {
+        ("pro6000x4", "generate"),
+        ("pro6000x4", "train_offline"),
+        ("pro6000x4", "train_online"),
+    }
+    recs = [r for r in seed_plan["recommendations"] if r["kind"] == "generate_time"]
+    assert len(recs) == 1 and recs[0]["profile"] == "pro6000x4"
+    # 7 days x 1,600 tok/s / 2,500 tokens per sample.
+    assert recs[0]["samples"] == math.floor(7 * 86_400 * 1_600 / 2_500)
+    assert "b200x8" in recs[0]["message"]
+    epochs = {
+        r["stage"]: r["epochs"] for r in seed_plan["recommendations"] if r["kind"] == "train_time"
+    }
+    assert epochs == {"train_offline": 2, "train_online": 1}
+
+
+def test_flags_follow_the_limits(seed_params, profiles):
+    loose = planning.build_plan(
+        seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=200, time_limit_days=60
+    )
+    assert loose["flags"] == [] and loose["recommendations"] == []
+    assert loose["storage"]["over_budget"] is False
+    # 16.53 days of generation: over a 16-day limit, within a 17-day one.
+    at16 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=16)
+    at17 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=17)
+    assert at16["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is True
+    assert at17["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is False
+
+
+def test_small_subset_fits_everything(seed_params, profiles):
+    plan = planning.build_plan(
+        seed_params, profiles, {}, samples=10_000, completion_tokens=2_500, prompt_tokens=500
+    )
+    assert plan["flags"] == [] and plan["recommendations"] == []
+    assert plan["storage"]["offline_features_tb"] == pytest.approx(9_980 * 3_000 * 51_200 / 1e12)
+
+
+def test_max_length_caps_the_feature_tokens(conf, profiles):
+    composed = params.compose([*SEED, "extract.max_length=1024"], conf)
+    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    assert plan["inputs"]["sequence_tokens"]["value"] == 1024
+    assert plan["storage"]["offline_features_bytes"] == 912_172 * 1024 * 51_200
+
+
+def test_other_target_scales_the_estimates_by_parameters(conf, profiles):
+    composed = params.compose(["model=qwen3_8b", "data=sharegpt", "drafter=dflash_b16"], conf)
+    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    rate = plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]
+    assert rate["value"] == pytest.approx(22_500 * 27e9 / 8.2e9)
+    assert rate["low"] == pytest.approx(15_000 * 27e9 / 8.2e9)
+    assert "scaled" in rate["source"] and "qwen3_6_27b" in rate["source"]
+    # K 5 x H 4,096 x 2 B.
+    assert plan["inputs"]["bytes_per_token"]["value"] == 40_960
+
+
+def test_sizes_come_from_the_data_profile_when_not_given(seed_params, profiles):
+    plan = planning.build_plan(seed_params, profiles, {})
+    assert plan["inputs"]["samples"]["value"] == 914_000
+    assert plan["inputs"]["completion_tokens"]["value"] == 2_500
+    assert plan["inputs"]["samples"]["source"] == "conf/data/sharegpt.yaml estimate.samples"
+    assert plan["inputs"]["samples"]["kind"] == "estimate"
+
+
+def test_no_sample_count_names_the_fix(conf, profiles):
+    composed = params.compose([], conf)
+    if (composed["data"].get("estimate") or {}).get("samples"):
+        composed["data"]["estimate"]["samples"] = None
+    with pytest.raises(SystemExit, match="--samples"):
+        planning.build_plan(composed, profiles, {})
+
+
+# Measured metrics.
+
+
+def test_measured_metrics_replace_estimates_for_their_profile(run_metrics, seed_params, profiles):
+    metrics, notes = plan_cmd.read_metrics(run_metrics, params.load(run_params_file(run_metrics)))
+    assert notes == []
+    plan = planning.build_plan(seed_params, profiles, metrics)
+    assert plan["notes"] == [
+        f"ignored {(run_metrics / 'generate' / 'shard-00002.json').as_posix()}: recorded for "
+        "Qwen/Qwen3-8B@main, not Qwen/Qwen3.6-27B@main"
+    ]
+    inputs = plan["inputs"]
+    assert (inputs["samples"]["value"], inputs["samples"]["kind"]) == (1000, "measured")
+    assert inputs["train_samples"]["value"] == 990
+    assert inputs["completion_tokens"]["value"] == 800
+    assert inputs["prompt_tokens"]["value"] == 200
+    assert inputs["sequence_tokens"]["value"] == 1000
+    b200 = plan["profiles"]["b200x8"]
+    gen = b200["throughput"]["generate_tok_s"]
+    # 800,000 tokens in 400 s; the Qwen3-8B shard is ignored.
+    assert (gen["value"], gen["kind"]) == (2000, "measured")
+    assert "2 files" in gen["source"] and "shard-00000.json" in gen["source"]
+    assert b200["stages"]["generate"]["seconds"] == pytest.approx(1000 * 800 / 2000)
+    assert b200["stages"]["extract"]["seconds"] == pytest.approx(990 * 1000 / 5000)
+    extract = b200["throughput"]["extract_tok_s"]
+    assert (
+        extract["source"] == f"{(run_metrics / 'extract.json').as_posix()} tokens_per_s (on b200x8)"
+    )
+    assert b200["stages"]["train_offline"]["seconds"] == pytest.approx(6 * 990 * 1000 / 4000)
+    online = b200["throughput"]["train_online_tok_s"]
+    assert online["value"] == pytest.approx(1 / (1 / 4000 + 1 / 5000))
+    assert "train measured, extract measured" in online["source"]
+    # Measured on b200x8 only: the PRO 6000 keeps its own figures.
+    pro = plan["profiles"]["pro6000x4"]["throughput"]
+    assert (pro["generate_tok_s"]["value"], pro["generate_tok_s"]["kind"]) == (1600, "estimate")
+    assert pro["extract_tok_s"]["kind"] == "estimate"
+
+
+def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, profiles):
+    """The tiny CPU run: stages that do not record a profile ran on params' hardware (cpu)."""
+    root = tmp_path / "metrics"
+    # The documented short names (kept/train/eval) are read too.
+    write_json(root / "curate.json", {"kept": 40, "train": 36, "eval": 4})
+    write_json(
+        root / "generate" / "shard-00000.json",
+        {"samples": 36, "output_tokens": 3456, "prompt_tokens": 3600, "output_tok_s": 96.0},
+    )
+    write_json(root / "train.json", {"tokens_per_s": 1500.0, "features": "online"})
+    metrics, _ = plan_cmd.read_metrics(root)
+    plan = planning.build_plan(params.compose([], conf), profiles, metrics)
+    cpu = plan["profiles"]["cpu"]
+    assert cpu["throughput"]["generate_tok_s"]["value"] == 96.0
+    assert plan["inputs"]["completion_tokens"]["value"] == 96.0  # 3,456 / 36
+    assert plan["inputs"]["prompt_tokens"]["value"] == 100.0  # 3,600 / 36
+    assert cpu["stages"]["generate"]["seconds"] == pytest.approx(40 * 96 / 96)
+    assert cpu["throughput"]["train_online_tok_s"]["kind"] == "measured"
+    assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(6 * 36 * 196 / 1500)
+    # Offline needs extraction, which nobody measured on a CPU.
+    assert cpu["total"]["offline"]["seconds"] is None
+    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 + 6 * 36 * 196 / 1500)
+
+
+def test_broken_or_partial_metrics_fall_back_with_notes(tmp_path, seed_params, profiles):
+    root = tmp_path / "metrics"
+    root.mkdir()
+    (root / "curate.json").write_text("{not json", encoding="utf-8")
+    write_json(root / "validate.json", [1, 2])
+    write_json(root / "train.json", {"hardware_profile": "b200x8", "tokens_per_s": None})
+    metrics, notes = plan_cmd.read_metrics(root)
+    assert len(notes) == 2 and all(n.startswith("ignored") for n in notes)
+    plan = planning.build_plan(seed_params, profiles, metrics)
+    assert plan["inputs"]["samples"]["kind"] == "estimate"
+    assert plan["profiles"]["b200x8"]["throughput"]["train_tok_s"]["kind"] == "estimate"
+
+
+# The command end to end.
+
+
+def _main_json(capsys, *argv: str) -> dict[str, Any]:
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_schema(capsys, conf, tmp_path):
+    out = _main_json(
+        capsys,
+        *SEED,
+        "--config-dir",
+        str(conf),
+        "--metrics-dir",
+        str(tmp_path / "none"),
+        "--samples",
+        "914000",
+        "--completion-tokens",
+        "2500",
+        "--prompt-tokens",
+        "500",
+        "--storage-budget-tb",
+        "150",
+        "--time-limit-days",
+        "20",
+    )
+    assert out["schema"] == "draftline.plan/1"
+    assert set(out) >= {
+        "model",
+        "drafter",
+        "inputs",
+        "limits",
+        "storage",
+        "profiles",
+        "flags",
+        "recommendations",
+        "notes",
+    }
+    assert out["limits"] == {"storage_budget_tb": 150.0, "time_limit_days": 20.0}
+    assert out["model"] == {
+        "name": "qwen3_6_27b",
+        "ref": "Qwen/Qwen3.6-27B@main",
+        "num_parameters": 27_000_000_000,
+        "target_layers": 5,
+        "hidden_size": 5120,
+    }
+    assert set(out["profiles"]) == {"cpu", "pro6000x4", "b200x8"}
+    for prof in out["profiles"].values():
+        assert set(prof["stages"]) == set(planning.STAGES)
+        assert set(prof["total"]) == {"offline", "online"}
+        for stage in prof["stages"].values():
+            assert set(stage) == {"seconds", "days", "range_days", "over_limit", "source"}
+    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days.
+    assert [(f["profile"], f["stage"]) for f in out["flags"]] == [("pro6000x4", "train_online")]
+
+
+def test_cli_table_in_a_subprocess(repo_root, tmp_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftline",
+            "plan",
+            *SEED,
+            "--samples",
+            "914000",
+            "--completion-tokens",
+            "2500",
+            "--prompt-tokens",
+            "500",
+            "--metrics-dir",
+            str(tmp_path / "none"),
+        ],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "16.53 d !" in out  # pro6000x4 generation, over the limit
+    assert "1.18 d (0.88–1.76)" in out  # b200x8 generation and its range
+    assert "140.1 TB" in out and "over budget" in out
+    assert "FLAG" in out and "RECOMMEND" in out and "extract.features=online" in out
+    for name in ("cpu", "pro6000x4", "b200x8"):
+        assert name in out
+
+
+def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_metrics):
+    out = _main_json(
+        capsys,
+        *SEED,
+        "--config-dir",
+        str(conf),
+        "--metrics-dir",
+        str(run_metrics),
+        "--params",
+        run_params_file(run_metrics),
+        "--from-metrics",
+    )
+    planned, measured = out["planned"], out["measured"]
+    assert planned["inputs"]["samples"]["value"] == 914_000
+    assert measured["inputs"]["samples"]["value"] == 1000
+    assert planned["profiles"]["b200x8"]["throughput"]["generate_tok_s"]["value"] == 22_500
+    assert measured["profiles"]["b200x8"]["throughput"]["generate_tok_s"]["value"] == 2000
+    assert len(out["metrics_files"]) == 7  # curate, validate, extract, train, 3 shards
+    assert (
+        cli.main(
+            [
+                "plan",
+                *SEED,
+                "--config-dir",
+                str(conf),
+                "--metrics-dir",
+                str(run_metrics),
+                "--params",
+                run_params_file(run_metrics),
+                "--from-metrics",
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert "planned" in table and "measured" in table and "2,000" in table and "22,500" in table
+
+
+def test_from_metrics_without_a_run_names_the_fix(conf, tmp_path):
+    with pytest.raises(SystemExit, match="run the pipeline first"):
+        cli.main(
+            [
+                "plan",
+                *SEED,
+                "--config-dir",
+                str(conf),
+                "--metrics-dir",
+                str(tmp_path),
+                "--from-metrics",
+            ]
+        )
+
+
+def test_metrics_of_another_target_are_not_used(capsys, conf, tmp_path):
+    """A tiny CPU run's metrics (no `model` key) tagged from its params.yaml: planning the
+    production target ignores them and says so; planning the tiny target uses them."""
+    root = tmp_path / "metrics"
+    write_json(root / "curate.json", {"rows_kept": 40, "train_rows": 36, "eval_rows": 4})
+    write_json(root / "validate.json", {"completion_tokens_mean": 90.0})
+    run_params = tmp_path / "params.yaml"
+    run_params.write_text(params.to_yaml(params.compose([], conf)), encoding="utf-8")
+    argv = ["--config-dir", str(conf), "--metrics-dir", str(root), "--params", str(run_params)]
+    seed = _main_json(capsys, *SEED, *argv)
+    assert seed["inputs"]["samples"]["value"] == 914_000
+    assert seed["inputs"]["completion_tokens"]["value"] == 2_500
+    assert any("recorded for models/tiny-target" in n for n in seed["notes"])
+    tiny = _main_json(capsys, *argv)
+    assert tiny["inputs"]["samples"]["value"] == 40
+    assert tiny["inputs"]["completion_tokens"]["value"] == 90.0
+    assert tiny["notes"] == []
+
+
+def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, profiles):
+    """Contract with the real metric builders (curation, generation): the keys plan reads."""
+    from collections import Counter
+
+    import numpy as np
+
+    from draftline import atomic
+    from draftline.curation import CurateResult
+    from draftline.generation import shard_metrics
+
+    root = tmp_path / "metrics"
+    curated = CurateResult(
+        rows_read=12, shard_rows=[6, 5], eval_rows=1, prompt_tokens=np.full(12, 300, np.int32)
+    )
+    atomic.write_json(root / "curate.json", curated.metrics())
+    rows = [
+        {"num_prompt_tokens": 300, "num_completion_tokens": 1200, "finish_reason": "stop",
+         "has_think_block": True, "loss_mask_sum": 1200}
+        for _ in range(6)
+    ]  # fmt: skip
+    shard = shard_metrics(rows, Counter(stop=6), 6, 7200, 3.6)
+    shard.update({"wall_s": 3.6, "model": "Qwen/Qwen3.6-27B@main", "hardware_profile": "b200x8"})
+    atomic.write_json(root / "generate" / "shard-00000.json", shard)
+    metrics, notes = plan_cmd.read_metrics(root)
+    plan = planning.build_plan(seed_params, profiles, metrics)
+    assert notes == []
+    inputs = plan["inputs"]
+    assert (inputs["samples"]["value"], inputs["train_samples"]["value"]) == (12, 11)
+    assert inputs["prompt_tokens"]["value"] == 300
+    assert inputs["completion_tokens"]["value"] == 1200  # 7,200 / 6 from the shard
+    assert plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]["value"] == 2000

@@ -1,0 +1,160 @@
+"""The SGLang client against a stand-in server (tests/sglang_standin.py) in its own process.
+
+SGLang needs a GPU and is not installed here; the stand-in speaks its native `/generate` and
+`/health` protocol faithfully (request: input_ids, sampling_params, rid; answer: output_ids,
+meta_info.finish_reason), and injects the faults a real cluster shows: 500s, 429s, dropped
+connections, slow answers and a server that dies mid-shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from draftline.engines.base import EngineUnavailable, Request, Result, Sampling
+from draftline.engines.sglang import ClientSettings, SGLangEngine, parse_response, resolve_endpoints
+from generate_helpers import StandIn, free_port
+from sglang_standin import build_parser, completion_for
+
+EOT = 2
+SAMPLING = Sampling(max_new_tokens=64)
+
+
+def standin_opts() -> argparse.Namespace:
+    return build_parser().parse_args(
+        ["--think-start", "3", "--think-end", "4", "--vocab-low", "10", "--vocab-high", "300"]
+    )
+
+
+def reqs(n: int) -> list[Request]:
+    return [Request(f"s{i:05d}", [1, 7 + i % 50, 8 + i % 13, 9 + i, 2]) for i in range(n)]
+
+
+def engine(*urls: str, **kw) -> SGLangEngine:
+    settings = {
+        "max_in_flight": 16, "request_timeout_s": 10, "max_retries": 4,
+        "backoff_base_s": 0.02, "backoff_max_s": 0.2, "health_timeout_s": 1.0, **kw,
+    }
+    return SGLangEngine(ClientSettings(endpoints=tuple(urls), **settings), SAMPLING, EOT)
+
+
+def run(eng: SGLangEngine, requests: list[Request]) -> dict[str, Result]:
+    out: dict[str, Result] = {}
+
+    def on_result(r: Result) -> None:
+        assert r.id not in out, "a sample was reported twice"
+        out[r.id] = r
+
+    eng.generate(requests, on_result)
+    return out
+
+
+def expected(request: Request) -> list[int]:
+    params = {"max_new_tokens": SAMPLING.max_new_tokens, "stop_token_ids": [EOT]}
+    return completion_for(request.prompt_ids, params, standin_opts())["output_ids"]
+
+
+def test_completion_ids_are_exactly_what_the_server_returned(tmp_path):
+    requests = reqs(50)
+    with StandIn(tmp_path) as server:
+        out = run(engine(server.url), requests)
+        assert sorted(server.sample_ids()) == sorted(r.id for r in requests)  # one request each
+    for r in requests:
+        assert out[r.id].finish_reason == "stop"
+        assert out[r.id].completion_ids == expected(r)
+        assert out[r.id].completion_ids[-1] == EOT
+
+
+def test_injected_500_429_and_dropped_connections_are_retried(tmp_path):
+    requests = reqs(120)
+    with StandIn(tmp_path, "--p500", "0.1", "--p429", "0.05", "--pdrop", "0.1", "--seed", "3") as s:
+        eng = engine(s.url, max_retries=8)
+        out = run(eng, requests)
+        rids = s.rids()
+    assert len(out) == 120
+    assert all(r.finish_reason == "stop" and r.completion_ids == expected(q)
+               for q, r in ((q, out[q.id]) for q in requests))
+    assert eng.retries > 10 and len(rids) == eng.requests_sent > 120
+    assert len(set(rids)) == len(rids)  # every attempt has its own rid
+
+
+def test_slow_answers_time_out_and_become_error_rows_not_losses(tmp_path):
+    requests = reqs(6)
+    with StandIn(tmp_path, "--delay", "1.5") as s:
+        out = run(engine(s.url, request_timeout_s=0.3, max_retries=1), requests)
+    assert sorted(out) == sorted(r.id for r in requests)
+    for r in out.values():
+        assert r.finish_reason == "error" and "within 0.3s" in r.error and r.completion_ids == []
+
+
+def test_server_dying_mid_shard_stops_the_run_with_a_clear_error(tmp_path):
+    requests = reqs(200)
+    finished: list[Result] = []
+    with StandIn(tmp_path, "--die-after", "60") as s:
+        eng = engine(s.url, max_in_flight=4)
+        with pytest.raises(EngineUnavailable, match="no SGLang endpoint answers"):
+            eng.generate(requests, finished.append)
+    assert 40 <= len(finished) <= 60
+    by_id = {r.id: r for r in requests}
+    assert all(f.finish_reason == "stop" and f.completion_ids == expected(by_id[f.id])
+               for f in finished)
+
+
+def test_load_is_spread_over_endpoints_and_a_dead_one_is_avoided(tmp_path):
+    requests = reqs(80)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with StandIn(tmp_path) as a, StandIn(tmp_path) as b:
+        out = run(engine(a.url, b.url, dead), requests)
+        served_a, served_b = len(a.rids()), len(b.rids())
+    assert all(r.finish_reason == "stop" for r in out.values()) and len(out) == 80
+    assert served_a > 10 and served_b > 10
+
+
+def test_bounded_concurrency(tmp_path):
+    requests = reqs(40)
+    with StandIn(tmp_path, "--delay", "0.2") as s:
+        eng = engine(s.url, max_in_flight=8)
+        peak = 0
+        t0 = time.monotonic()
+
+        def on_result(r: Result) -> None:
+            nonlocal peak
+            peak = max(peak, sum(eng.in_flight.values()))
+
+        eng.generate(requests, on_result)
+        wall = time.monotonic() - t0
+    assert peak <= 8
+    assert wall >= 40 / 8 * 0.2 * 0.9  # never more than 8 at once
+    assert wall < 40 * 0.2 / 2  # but many at once
+
+
+def test_http_400_is_recorded_without_retrying(tmp_path):
+    with StandIn(tmp_path) as s:
+        out = run(engine(s.url), [Request("bad", []), *reqs(3)])  # SGLang rejects empty input
+        assert s.sample_ids().count("bad") == 1
+    assert out["bad"].finish_reason == "error" and "HTTP 400" in out["bad"].error
+    assert sum(r.finish_reason == "stop" for r in out.values()) == 3
+
+
+def test_parse_response_variants():
+    ok = {"output_ids": [5, 6, EOT, 9], "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}}}
+    assert parse_response("a", ok, EOT).completion_ids == [5, 6, EOT]
+    trimmed = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}}}
+    r = parse_response("a", trimmed, EOT)
+    assert (r.finish_reason, r.completion_ids) == ("stop", [5, 6, EOT])
+    length = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
+    assert parse_response("a", length, EOT).finish_reason == "length"
+    abort = {"meta_info": {"finish_reason": {"type": "abort", "message": "too long"}}}
+    r = parse_response("a", abort, EOT)
+    assert r.finish_reason == "error" and "too long" in r.error
+
+
+def test_endpoints_from_env_config_or_profile(monkeypatch):
+    monkeypatch.delenv("DRAFTLINE_SGLANG_ENDPOINTS", raising=False)
+    assert resolve_endpoints(None, "127.0.0.1", 30000) == ["http://127.0.0.1:30000"]
+    assert resolve_endpoints(["node1:30000/", "http://r:1"], "h", 1) == [
+        "http://node1:30000", "http://r:1"]
+    monkeypatch.setenv("DRAFTLINE_SGLANG_ENDPOINTS", "http://a:1, http://b:2")
+    assert resolve_endpoints(["ignored:1"], "h", 1) == ["http://a:1", "http://b:2"]

@@ -1,0 +1,200 @@
+"""The `validate` stage with the real Great Expectations suite, over generated shards written as
+parquet files in a temporary folder (the table of docs/pipeline.md, token lists included)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from generated_samples import (
+    samples_frame,
+    seed_pathology,
+    truncated,
+    write_generated,
+    write_params,
+)
+
+from draftline import quality, validation
+from draftline.stages import validate as stage
+
+NUM_SHARDS = 3
+
+
+def stage_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    stage.add_arguments(parser)
+    args = parser.parse_args(["--no-progress"])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, NUM_SHARDS)
+    return tmp_path
+
+
+def run_stage(root: Path) -> tuple[int, dict]:
+    rc = stage.run(stage_args())
+    return rc, json.loads((root / "metrics" / "validate.json").read_text())
+
+
+def test_healthy_data_passes_and_writes_every_output(workdir):
+    write_generated(workdir, samples_frame(300), NUM_SHARDS)
+    rc, metrics = run_stage(workdir)
+    assert rc == 0, metrics["failed_checks"]
+
+    verdict = json.loads((workdir / "data" / "validated" / "verdict.json").read_text())
+    assert verdict["passed"] is True and verdict["num_samples"] == 300
+    assert [s["file"] for s in verdict["shards"]] == [
+        f"shard-{k:05d}.parquet" for k in range(NUM_SHARDS)
+    ]
+
+    assert metrics["passed"] is True and metrics["failed_checks"] == []
+    assert metrics["checks"]["supervised_tokens_min"] == {"observed": 1.0, "passed": True}
+    assert 20 <= metrics["completion_tokens_mean"] <= 90
+    assert metrics["completion_tokens_p10"] <= metrics["completion_tokens_p50"]
+    assert metrics["shards"]["00000"] == {"curated": 100, "generated": 100}
+
+    # GX results JSON: both suites ran and every expectation succeeded.
+    results = json.loads((workdir / "reports" / "validate" / "results.json").read_text())
+    gx_runs = results["great_expectations"]
+    assert len(gx_runs) == 2 and all(run["success"] for run in gx_runs)
+    assert {run["suite"] for run in gx_runs} == set(validation.SUITES.values())
+    expectations = [e for run in gx_runs for e in run["validation_result"]["results"]]
+    checked = {n for e in expectations for n in e["expectation_config"]["meta"]["checks"]}
+    assert checked == set(metrics["checks"])
+    # Data Docs HTML at a stable path, with a page per validation run.
+    docs = workdir / "reports" / "validate" / "data_docs"
+    assert (docs / "index.html").is_file()
+    pages = list((docs / "validations").rglob("*.html"))
+    assert len(pages) == 2
+    assert "supervised_tokens_min" in "".join(p.read_text() for p in pages)
+
+    with open(workdir / "plots" / "validate" / "supervised_tokens.csv") as f:
+        hist = list(csv.DictReader(f))
+    assert sum(int(r["samples"]) for r in hist) == 300
+    with open(workdir / "plots" / "validate" / "completion_tokens.csv") as f:
+        cdf = list(csv.DictReader(f))
+    assert len(cdf) == 101 and cdf[0]["share_of_samples"] == "0.00"
+
+
+def test_seed_pathology_fails_naming_the_expectation(workdir):
+    """The seed's data (87% answered "OK.", 6 supervised tokens) through the real command."""
+    write_generated(workdir, seed_pathology(samples_frame(300), share=0.87), NUM_SHARDS)
+    stale = workdir / "data" / "validated" / "verdict.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"passed": true}')  # an old pass must not survive a failed run
+
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftline", "validate", "--no-progress"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "supervised_tokens_min" in proc.stderr
+    assert "supervised_tokens_mode_share" in proc.stderr
+    assert ">= 0.90 of answered samples" in proc.stderr  # the bound in plain words
+    assert "FAILED" in proc.stderr
+    assert not stale.exists()
+
+    metrics = json.loads((workdir / "metrics" / "validate.json").read_text())
+    assert metrics["passed"] is False
+    assert metrics["checks"]["supervised_tokens_mode_share"]["observed"] == pytest.approx(0.87)
+    # The histogram shows the spike at 6.
+    with open(workdir / "plots" / "validate" / "supervised_tokens.csv") as f:
+        spike = {int(r["supervised_tokens"]): int(r["samples"]) for r in csv.DictReader(f)}
+    assert spike[6] == 261
+    # Reports are written on failure too, so the failure can be read.
+    assert (workdir / "reports" / "validate" / "data_docs" / "index.html").is_file()
+
+
+def test_truncation_heavy_data_fails(workdir):
+    write_generated(workdir, truncated(samples_frame(300), share=0.25), NUM_SHARDS)
+    rc, metrics = run_stage(workdir)
+    assert rc == 1
+    assert "truncated_share" in metrics["failed_checks"]
+    assert metrics["checks"]["truncated_share"]["observed"] == pytest.approx(0.25)
+    assert metrics["finish_reasons"] == {"stop": 225, "length": 75}
+    assert not (workdir / "data" / "validated" / "verdict.json").exists()
+
+
+def test_duplicate_ids_fail(workdir):
+    frame = samples_frame(300)
+    frame.loc[frame.index[0], "id"] = frame["id"].iloc[1]  # the same sample in two shards
+    write_generated(workdir, frame, NUM_SHARDS)
+    rc, metrics = run_stage(workdir)
+    assert rc == 1
+    assert metrics["failed_checks"] == ["unique_ids"]
+    assert metrics["checks"]["unique_ids"]["observed"] == 2
+
+
+def test_missing_rows_fail(workdir, capsys):
+    frame = samples_frame(300)
+    # Shard 1 lost two of its curated samples.
+    write_generated(workdir, frame, NUM_SHARDS, curated_rows=[100, 102, 100])
+    rc, metrics = run_stage(workdir)
+    assert rc == 1
+    assert metrics["failed_checks"] == ["row_count"]
+    assert metrics["checks"]["row_count"]["observed"] == 300
+    assert metrics["shards"]["00001"] == {"curated": 102, "generated": 100}
+    assert "shard 00001: 102 curated rows, 100 generated" in capsys.readouterr().err
+
+
+def test_missing_shard_file_fails_before_validating(workdir):
+    paths = write_generated(workdir, samples_frame(300), NUM_SHARDS)
+    paths[2].unlink()  # what `dvc repro --allow-missing` leaves in a fresh clone
+    with pytest.raises(SystemExit, match=r"shard-00002.parquet.*dvc repro generate@2"):
+        stage.run(stage_args())
+    assert not (workdir / "data" / "validated" / "verdict.json").exists()
+
+
+def test_curate_metrics_must_match_the_shards(workdir):
+    write_generated(workdir, samples_frame(300), NUM_SHARDS)
+    write_params(workdir, NUM_SHARDS + 1)
+    with pytest.raises(SystemExit, match="dvc repro curate"):
+        stage.run(stage_args())
+
+
+def test_shards_without_completion_hash_are_hashed_from_their_ids(workdir, capsys):
+    write_generated(workdir, samples_frame(300), NUM_SHARDS, with_hash=False)
+    table = stage.read_scalar_columns(stage.shard_paths(Path("data/generated/train"), [0, 1, 2]))
+    assert "no completion_hash column" in capsys.readouterr().err
+    expected = samples_frame(300).set_index("id")["completion_hash"]
+    assert (table.set_index("id")["completion_hash"] == expected.loc[table["id"]]).all()
+
+
+def test_gx_and_pandas_measure_the_same(tmp_path):
+    """The two sides of the one definition agree on the observed value and the verdict."""
+    import yaml
+
+    cfg = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "conf/quality/default.yaml").read_text()
+    )
+    table = truncated(seed_pathology(samples_frame(300), share=0.5), share=0.1)
+    table = table.drop(columns=["completion_ids"])
+    outcome = validation.run_suite(
+        table, cfg, thinking=True, expected_rows=310, report_dir=tmp_path
+    )
+    measured = quality.run_checks(table, cfg, thinking=True, expected_rows=310)
+    assert [r.name for r in outcome.results] == [r.name for r in measured]
+    for gx_side, pandas_side in zip(outcome.results, measured, strict=True):
+        assert gx_side.passed == pandas_side.passed, gx_side.name
+        assert gx_side.observed == pytest.approx(pandas_side.observed), gx_side.name
+    assert not outcome.passed
+    saved = json.loads(outcome.results_path.read_text())
+    assert {c["name"] for c in saved["checks"] if not c["passed"]} == {
+        r.name for r in quality.failures(measured)
+    }
