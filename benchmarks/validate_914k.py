@@ -96,7 +96,7 @@ def write_dataset(root: Path, samples: int, shards: int) -> None:
         # lists without dictionary encoding, which makes writing 5x faster (validate never
         # reads them).
         scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
-        with atomic.atomic_path(folder / f"shard-{k:05d}.parquet") as tmp:
+        with atomic.atomic_path(folder / f"shard-{k}.parquet") as tmp:
             pq.write_table(table, tmp, compression="zstd", use_dictionary=scalar)
     metrics = {"train_rows": samples, "shard_rows": {f"{k:05d}": n for k, n in enumerate(sizes)}}
     atomic.write_json(root / "metrics" / "curate.json", metrics)

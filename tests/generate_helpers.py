@@ -106,7 +106,7 @@ def make_workdir(
     max_new_tokens: int = 12,
 ) -> list[str]:
     """A folder laid out like the repository for one generate stage; returns shard 0's ids."""
-    ids = write_curated(root / "data/curated/train/shard-00000.parquet", n)
+    ids = write_curated(root / "data/curated/train/shard-0.parquet", n)
     write_curated(root / "data/curated/eval.parquet", 6, seed=5, shard=-1)
     params = {
         "model": {

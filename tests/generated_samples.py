@@ -112,7 +112,7 @@ def write_generated(
     for k in range(num_shards):
         part = frame.iloc[k::num_shards].sort_values("id")
         sizes.append(len(part))
-        paths.append(folder / f"shard-{k:05d}.parquet")
+        paths.append(folder / f"shard-{k}.parquet")
         pq.write_table(_arrow(part, with_hash), paths[-1])
     metrics = root / "metrics" / "curate.json"
     metrics.parent.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
     assert [r["id"] for r in table] == ids  # exactly the curated ids, sorted
     tok = target.load_tokenizer({"path": str(model_dir), "revision": None})
     special = special_ids(tok, "<|im_end|>")
-    curated = {r["id"]: r for r in pq.read_table(tmp_path / "data/curated/train/shard-00000.parquet").to_pylist()}
+    curated = {r["id"]: r for r in pq.read_table(tmp_path / "data/curated/train/shard-0.parquet").to_pylist()}
     for row in table:
         msgs = [dict(m) for m in curated[row["id"]]["messages"]]
         assert row["prompt_ids"] == target.prompt_ids(tok, msgs, {"enable_thinking": True})

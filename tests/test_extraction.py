@@ -52,8 +52,8 @@ def shards(tmp_path_factory) -> list[Path]:
     rows.append(generated_row(100, [5] * 10, [], "error"))
     rows.append(generated_row(101, [5] * (MAX_LENGTH + 3), [6, 2]))
     return [
-        write_shard(folder / "shard-00000.parquet", rows),
-        write_shard(folder / "shard-00001.parquet", random_rows(30, 20, seed=1)),
+        write_shard(folder / "shard-0.parquet", rows),
+        write_shard(folder / "shard-1.parquet", random_rows(30, 20, seed=1)),
     ]
 
 
@@ -228,6 +228,7 @@ def stage_workdir(root: Path, shards: list[Path], model_dir: Path, processes: in
         "model": {"path": str(model_dir), "revision": None, "hidden_size": 32,
                   "target_layer_ids": LAYER_IDS},
         "extract": {"features": "offline", "max_length": MAX_LENGTH, "pack_tokens": 300},
+        "data": {"shard_ids": list(range(len(shards)))},
         "hardware": {"name": "cpu", "engine": "local", "device": "cpu", "precision": "fp32",
                      "processes_per_node": processes, "extract_tokens_per_batch": 256,
                      "num_threads": 1},

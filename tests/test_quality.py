@@ -190,7 +190,11 @@ def test_per_model_overrides_merge_over_the_quality_file(repo_root):
     assert big["quality"]["min_supervised_tokens"] == override["min_supervised_tokens"]
     assert big["quality"]["min_supervised_tokens"] != tiny["quality"]["min_supervised_tokens"]
     # Keys the model file does not set keep the quality file's value.
-    assert big["quality"]["max_mode_share"] == tiny["quality"]["max_mode_share"]
+    default = yaml.safe_load((conf / "quality" / "default.yaml").read_text())
+    assert big["quality"]["max_mode_share"] == default["max_mode_share"]
+    # The tiny target has its own file too.
+    tiny_override = yaml.safe_load((conf / "quality" / "model" / "tiny.yaml").read_text())
+    assert tiny["quality"]["max_mode_share"] == tiny_override["max_mode_share"]
     # A command-line override wins over both.
     cli = params.compose(["model=qwen3_6_27b", "quality.min_supervised_tokens=3"], conf)
     assert cli["quality"]["min_supervised_tokens"] == 3

@@ -50,13 +50,18 @@ def test_valid_rows_are_sharegpt_and_varied(rows: list[sample_prompts.SampleRow]
     assert any(ord(ch) > 127 for r in valid for m in r.prompt for ch in m["content"])
 
 
-def test_each_valid_prompt_is_what_the_line_holds_trimmed(rows: list[sample_prompts.SampleRow]) -> None:
+def test_each_valid_prompt_is_what_the_line_holds_trimmed(
+    rows: list[sample_prompts.SampleRow],
+) -> None:
     names = {"system": "system", "human": "user", "gpt": "assistant"}
     prompts = set()
     for row in rows:
         if row.prompt is None:
             continue
-        turns = [{"role": names[t["from"]], "content": t["value"]} for t in json.loads(row.line)["conversations"]]
+        turns = [
+            {"role": names[t["from"]], "content": t["value"]}
+            for t in json.loads(row.line)["conversations"]
+        ]
         while turns[-1]["role"] != "user":
             turns.pop()
         assert turns == row.prompt
@@ -97,7 +102,10 @@ def test_bad_rows_are_bad_in_the_way_they_claim(rows: list[sample_prompts.Sample
 def test_response_is_a_function_of_the_user_turn() -> None:
     seen: dict[str, tuple[str, str]] = {}
     for _, task in sample_prompts.training_prompts(seed=7, count=3000):
-        assert seen.setdefault(task.user, (task.reasoning, task.answer)) == (task.reasoning, task.answer)
+        assert seen.setdefault(task.user, (task.reasoning, task.answer)) == (
+            task.reasoning,
+            task.answer,
+        )
     assert len(seen) > 1000
 
 
@@ -112,7 +120,9 @@ def test_prompts_fit_the_token_budget_and_long_rows_do_not(
     budget = yaml.safe_load((repo_root / "conf/data/sample.yaml").read_text())["max_prompt_tokens"]
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     kwargs = {"enable_thinking": True}
-    assert max(len(prompt_ids(tok, p, kwargs)) for p in sample_prompts.valid_prompts(rows)) <= budget
+    assert (
+        max(len(prompt_ids(tok, p, kwargs)) for p in sample_prompts.valid_prompts(rows)) <= budget
+    )
     for row in rows:
         if row.expected_reason == "prompt_too_long":
             text = json.loads(row.line)["conversations"][0]["value"]

@@ -230,7 +230,7 @@ class CurateResult:
 
 
 def shard_file_name(shard: int) -> str:
-    return f"shard-{shard:05d}.parquet"
+    return f"shard-{shard}.parquet"
 
 
 def curate(
@@ -240,7 +240,7 @@ def curate(
     settings: CurateSettings,
     progress: bool = True,
 ) -> CurateResult:
-    """Curate `sources` into `out_dir` (train/shard-NNNNN.parquet, eval.parquet, rejected.parquet).
+    """Curate `sources` into `out_dir` (train/shard-K.parquet, eval.parquet, rejected.parquet).
 
     The folder is replaced as a whole, atomically, once everything is written.
     """

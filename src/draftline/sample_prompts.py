@@ -82,11 +82,45 @@ ASK_TOPIC = [
 ]
 
 WORDS = [
-    "apple", "river", "window", "garden", "pencil", "cloud", "tiger", "violin", "candle",
-    "forest", "rocket", "bottle", "mirror", "planet", "ladder", "basket", "engine", "pillow",
-    "island", "carpet", "dragon", "orange", "tunnel", "hammer", "jacket", "lemon", "marble",
-    "needle", "pepper", "rabbit", "saddle", "tomato", "wallet", "yogurt", "zebra", "anchor",
-    "café", "piñata", "naïve",
+    "apple",
+    "river",
+    "window",
+    "garden",
+    "pencil",
+    "cloud",
+    "tiger",
+    "violin",
+    "candle",
+    "forest",
+    "rocket",
+    "bottle",
+    "mirror",
+    "planet",
+    "ladder",
+    "basket",
+    "engine",
+    "pillow",
+    "island",
+    "carpet",
+    "dragon",
+    "orange",
+    "tunnel",
+    "hammer",
+    "jacket",
+    "lemon",
+    "marble",
+    "needle",
+    "pepper",
+    "rabbit",
+    "saddle",
+    "tomato",
+    "wallet",
+    "yogurt",
+    "zebra",
+    "anchor",
+    "café",
+    "piñata",
+    "naïve",
 ]
 
 REVERSE = [
@@ -96,17 +130,62 @@ REVERSE = [
 ]
 
 NAMES = [
-    "Ana", "Ben", "Chloé", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira",
-    "Liam", "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera",
-    "Zoë", "José", "Łukasz", "Søren", "Aiko", "Mei",
+    "Ana",
+    "Ben",
+    "Chloé",
+    "David",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Pablo",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Zoë",
+    "José",
+    "Łukasz",
+    "Søren",
+    "Aiko",
+    "Mei",
 ]
 ACTIVITIES = [
-    "read books", "paint walls", "ride a bike", "bake bread", "play chess", "sing songs",
-    "plant flowers", "fix old radios", "write letters", "watch birds", "swim laps", "fly kites",
+    "read books",
+    "paint walls",
+    "ride a bike",
+    "bake bread",
+    "play chess",
+    "sing songs",
+    "plant flowers",
+    "fix old radios",
+    "write letters",
+    "watch birds",
+    "swim laps",
+    "fly kites",
 ]
 PLACES = [
-    "park", "kitchen", "garden", "library", "harbor", "village", "garage", "station", "market",
-    "forest", "classroom", "studio",
+    "park",
+    "kitchen",
+    "garden",
+    "library",
+    "harbor",
+    "village",
+    "garage",
+    "station",
+    "market",
+    "forest",
+    "classroom",
+    "studio",
 ]
 TIMES = ["every morning", "on Sundays", "after school", "at night", "in the summer", "each day"]
 SPECIAL_SENTENCES = [
@@ -125,11 +204,30 @@ REPEAT = [
 ]
 
 OPPOSITES: dict[str, str] = {
-    "hot": "cold", "big": "small", "fast": "slow", "light": "dark", "happy": "sad",
-    "early": "late", "open": "closed", "full": "empty", "strong": "weak", "loud": "quiet",
-    "high": "low", "wet": "dry", "old": "new", "hard": "soft", "rich": "poor", "near": "far",
-    "up": "down", "inside": "outside", "first": "last", "win": "lose", "push": "pull",
-    "above": "below", "thick": "thin", "sharp": "dull",
+    "hot": "cold",
+    "big": "small",
+    "fast": "slow",
+    "light": "dark",
+    "happy": "sad",
+    "early": "late",
+    "open": "closed",
+    "full": "empty",
+    "strong": "weak",
+    "loud": "quiet",
+    "high": "low",
+    "wet": "dry",
+    "old": "new",
+    "hard": "soft",
+    "rich": "poor",
+    "near": "far",
+    "up": "down",
+    "inside": "outside",
+    "first": "last",
+    "win": "lose",
+    "push": "pull",
+    "above": "below",
+    "thick": "thin",
+    "sharp": "dull",
 }
 OPPOSITE = [
     "What is the opposite of {word}?",
@@ -138,9 +236,18 @@ OPPOSITE = [
 ]
 
 COLORS: dict[str, str] = {
-    "banana": "yellow", "lime": "green", "cherry": "red", "blueberry": "blue",
-    "plum": "purple", "orange": "orange", "coconut": "brown", "lemon": "yellow",
-    "grape": "purple", "strawberry": "red", "kiwi": "green", "apricot": "orange",
+    "banana": "yellow",
+    "lime": "green",
+    "cherry": "red",
+    "blueberry": "blue",
+    "plum": "purple",
+    "orange": "orange",
+    "coconut": "brown",
+    "lemon": "yellow",
+    "grape": "purple",
+    "strawberry": "red",
+    "kiwi": "green",
+    "apricot": "orange",
 }
 COLOR = [
     "What color is a ripe {fruit}?",
@@ -161,9 +268,18 @@ GREETING = [
 ]
 
 GOALS = [
-    "learn to cook", "run a marathon", "keep a clean desk", "learn a new language",
-    "sleep better", "read more books", "grow tomatoes", "save for a trip", "learn to draw",
-    "write a diary", "get fit at home", "start a small garden",
+    "learn to cook",
+    "run a marathon",
+    "keep a clean desk",
+    "learn a new language",
+    "sleep better",
+    "read more books",
+    "grow tomatoes",
+    "save for a trip",
+    "learn to draw",
+    "write a diary",
+    "get fit at home",
+    "start a small garden",
 ]
 PLAN = [
     "Give me a simple plan to {goal}.",
@@ -417,7 +533,10 @@ def _bad_rows(rng: random.Random, valid: list[SampleRow]) -> list[SampleRow]:
         bad("broken_alternation", _line({"id": f"bad-alternation-{i}", "conversations": conv}))
     # no_user_turn
     reply = make_task(rng).answer
-    bad("no_user_turn", _line({"id": "bad-nouser-0", "conversations": [{"from": "gpt", "value": reply}]}))
+    bad(
+        "no_user_turn",
+        _line({"id": "bad-nouser-0", "conversations": [{"from": "gpt", "value": reply}]}),
+    )
     sys_only = [{"from": "system", "value": SYSTEM_PROMPTS[0]}, {"from": "gpt", "value": reply}]
     bad("no_user_turn", _line({"id": "bad-nouser-1", "conversations": sys_only}))
     # prompt_too_long: far over data.max_prompt_tokens (256) with the tiny tokenizer.

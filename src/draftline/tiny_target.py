@@ -107,7 +107,9 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     # As in Qwen3, <think> and </think> are added but not "special": decoding with
     # skip_special_tokens keeps them.
-    specials = [AddedToken(t, special=t not in (THINK, END_THINK), normalized=False) for t in SPECIAL_TOKENS]
+    specials = [
+        AddedToken(t, special=t not in (THINK, END_THINK), normalized=False) for t in SPECIAL_TOKENS
+    ]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=specials,
@@ -137,7 +139,10 @@ class Example:
 
 
 def encode_examples(
-    tokenizer: Any, examples: Sequence[tuple[list[Message], Task]], non_thinking_share: float, seed: int
+    tokenizer: Any,
+    examples: Sequence[tuple[list[Message], Task]],
+    non_thinking_share: float,
+    seed: int,
 ) -> list[Example]:
     """Prompt ids exactly as generation renders them, then the response ids and <|im_end|>."""
     from draftline.target import prompt_ids
@@ -154,7 +159,9 @@ def encode_examples(
     return out
 
 
-def _batches(examples: list[Example], batch_size: int, steps: int, seed: int) -> list[list[Example]]:
+def _batches(
+    examples: list[Example], batch_size: int, steps: int, seed: int
+) -> list[list[Example]]:
     """`steps` batches of similar-length examples (little padding), in a seeded order."""
     rng = random.Random(seed)
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].input_ids), i))
@@ -212,7 +219,9 @@ def build_model(config: BuildConfig, tokenizer: Any) -> Any:
     return model
 
 
-def train(model: Any, examples: list[Example], config: BuildConfig, pad_id: int, progress: bool) -> list[float]:
+def train(
+    model: Any, examples: list[Example], config: BuildConfig, pad_id: int, progress: bool
+) -> list[float]:
     """AdamW with warmup and cosine decay; returns the loss of every step."""
     import torch
     from tqdm import tqdm
@@ -221,7 +230,10 @@ def train(model: Any, examples: list[Example], config: BuildConfig, pad_id: int,
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=config.lr,
         betas=(0.9, 0.95),
     )
@@ -235,7 +247,11 @@ def train(model: Any, examples: list[Example], config: BuildConfig, pad_id: int,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     losses: list[float] = []
     model.train()
-    bar = tqdm(_batches(examples, config.batch_size, config.steps, config.seed), desc="train", disable=not progress)
+    bar = tqdm(
+        _batches(examples, config.batch_size, config.steps, config.seed),
+        desc="train",
+        disable=not progress,
+    )
     for batch in bar:
         ids, mask, labels = _collate(batch, pad_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -255,7 +271,9 @@ def train(model: Any, examples: list[Example], config: BuildConfig, pad_id: int,
 
 def reply_is_thinking_format(completion: list[int], tokenizer: Any) -> bool:
     """`<think>` non-empty `</think>` non-empty answer `<|im_end|>`, nothing after the end."""
-    think, end_think, im_end = (tokenizer.convert_tokens_to_ids(t) for t in (THINK, END_THINK, IM_END))
+    think, end_think, im_end = (
+        tokenizer.convert_tokens_to_ids(t) for t in (THINK, END_THINK, IM_END)
+    )
     if not completion or completion[0] != think or im_end not in completion:
         return False
     body = completion[1 : completion.index(im_end)]
@@ -267,7 +285,11 @@ def reply_is_thinking_format(completion: list[int], tokenizer: Any) -> bool:
 
 
 def greedy_completions(
-    model: Any, tokenizer: Any, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int = 64
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    batch_size: int = 64,
 ) -> list[list[int]]:
     """Greedy continuations (left-padded batches), each cut after the first end-of-turn token."""
     import torch
@@ -316,7 +338,9 @@ def thinking_format_rate(
 # --- the whole build ------------------------------------------------------------------------
 
 
-def build(out_dir: str | Path, config: BuildConfig = BuildConfig(), progress: bool = True) -> dict[str, Any]:
+def build(
+    out_dir: str | Path, config: BuildConfig = BuildConfig(), progress: bool = True
+) -> dict[str, Any]:
     """Build tokenizer and model into `out_dir` (atomically); return figures for the report."""
     import torch
 

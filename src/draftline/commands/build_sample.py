@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
             f.write(row.line + "\n")
     reasons = Counter(row.expected_reason for row in rows if row.expected_reason)
     bad = sum(reasons.values())
-    print(f"wrote {path}: {len(rows)} rows, {len(rows) - bad} valid, {bad} bad ({bad / len(rows):.1%})")
+    print(
+        f"wrote {path}: {len(rows)} rows, {len(rows) - bad} valid, {bad} bad ({bad / len(rows):.1%})"
+    )
     print("bad rows by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
     return 0

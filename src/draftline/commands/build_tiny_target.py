@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(model_cfg)
     prompts = sample_prompts.valid_prompts()
     rate = tiny_target.thinking_format_rate(model, tokenizer, prompts, budget)
-    print(f"thinking-format rate on {len(prompts)} bundled prompts (greedy, {budget} new tokens): {rate:.3f}")
+    print(
+        f"thinking-format rate on {len(prompts)} bundled prompts (greedy, {budget} new tokens): {rate:.3f}"
+    )
     if rate < 0.9:
         print("warning: below the required 0.9")
         return 1

@@ -14,6 +14,7 @@ from typing import Any
 
 from draftline import distributed, hardware, params
 from draftline.atomic import write_json
+from draftline.curation import shard_file_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         device = distributed.device(str(profile.get("device") or "cpu"))
         precision = str(profile.get("precision") or "fp32")
         result = extract(
-            sorted(Path(args.shards).glob("shard-*.parquet")),
+            [Path(args.shards) / shard_file_name(k) for k in p["data"]["shard_ids"]],
             Path(args.out),
             settings_from_params(p, profile),
             model_loader=lambda: load_model(p["model"], device=str(device), dtype=precision),

@@ -1,6 +1,6 @@
 """Stage `generate`: regenerate one curated shard (or the eval split) with the target.
 
-  draftline generate --shard K     data/curated/train/shard-NNNNN.parquet -> data/generated/train/shard-K.parquet
+  draftline generate --shard K     data/curated/train/shard-K.parquet -> data/generated/train/shard-K.parquet
   draftline generate --eval        data/curated/eval.parquet -> data/generated/eval.parquet
 
 The engine comes from the hardware profile (`local` transformers, or `sglang` over HTTP).
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline import hardware, params, target
+from draftline.curation import shard_file_name
 from draftline.engines.base import Engine, EngineUnavailable, Sampling
 from draftline.generation import Identity, ShardFailed, ShardPaths, run_shard
 from draftline.guard import Guard, GuardAbort
@@ -45,8 +46,8 @@ def shard_paths(shard: int | None) -> ShardPaths:
         )
     return ShardPaths(
         name=f"shard-{shard}",
-        curated=Path(f"data/curated/train/shard-{shard:05d}.parquet"),
-        output=Path(f"data/generated/train/shard-{shard}.parquet"),
+        curated=Path(f"data/curated/train/{shard_file_name(shard)}"),
+        output=Path(f"data/generated/train/{shard_file_name(shard)}"),
         metrics=Path(f"metrics/generate/shard-{shard}.json"),
         journal=JOURNAL_DIR / f"shard-{shard}.jsonl",
     )

@@ -1,6 +1,6 @@
 """Stage `validate`: every generated train shard -> GX verdict, reports, metrics and plots.
 
-Reads only the scalar columns of `data/generated/train/shard-NNNNN.parquet` (never the token
+Reads only the scalar columns of `data/generated/train/shard-K.parquet` (never the token
 lists), for every shard in `data.shard_ids`; a missing shard fails the stage (a fresh clone
 with `dvc repro --allow-missing` would otherwise validate a partial folder). The expected row
 count comes from `metrics/curate.json`.
@@ -126,7 +126,7 @@ def expected_rows(curate_metrics: Path, shard_ids: list[int]) -> dict[int, int]:
 
 def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:
     """Every expected shard file; exits naming the missing ones (never validates a partial set)."""
-    paths = [folder / f"shard-{k:05d}.parquet" for k in shard_ids]
+    paths = [folder / f"shard-{k}.parquet" for k in shard_ids]
     missing = [p for p in paths if not p.is_file()]
     if missing:
         names = ", ".join(p.name for p in missing)

@@ -1,0 +1,155 @@
+"""Resume after `kill -9`: the shard completes with exactly its curated ids, none twice, none
+lost, and samples finished before the kill are not generated again.
+
+The SGLang runs use the stand-in server (tests/sglang_standin.py, SGLang's `/generate` protocol)
+in its own process; its request log counts what was generated after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from draftline.engines.base import Result
+from draftline.journal import Journal
+from generate_helpers import StandIn, build_random_target, make_workdir, run_generate, sglang_hardware
+
+JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_random_target(tmp_path_factory.mktemp("target"))
+
+
+def journal_ids(path: Path) -> list[str]:
+    ids = []
+    for line in path.read_bytes().splitlines(keepends=True):
+        if line.endswith(b"\n"):
+            obj = json.loads(line)
+            if "id" in obj and obj["finish_reason"] != "error":
+                ids.append(obj["id"])
+    return ids
+
+
+def start_and_kill(cwd: Path, at_records: int, timeout: float = 180) -> list[str]:
+    """Run the stage in a subprocess and SIGKILL it once the journal holds `at_records`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "draftline", "generate", "--no-progress", "--shard", "0"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    journal = cwd / JOURNAL
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if journal.exists() and len(journal_ids(journal)) >= at_records:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, f"stage ended before the kill: {proc.stdout.read().decode()}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (cwd / "data/generated/train/shard-0.parquet").exists()
+    return journal_ids(journal)
+
+
+def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
+    server = StandIn(tmp_path, "--delay", "0.03")
+    ids = make_workdir(tmp_path, model_dir, n=240, hardware=sglang_hardware(server.port, 4),
+                       max_new_tokens=64)
+    with server:
+        done_before = start_and_kill(tmp_path, random.Random().randint(10, 200))
+        assert len(done_before) == len(set(done_before)) >= 10
+        # A torn last line, as if the process died inside a write.
+        with open(tmp_path / JOURNAL, "ab") as f:
+            f.write(b'{"id": "' + ids[-1].encode() + b'", "completion_ids": [3, 1')
+        asked_before = len(server.rids())
+        proc = run_generate(tmp_path, "--shard", "0")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        asked_after = {r.rsplit("-", 1)[0] for r in server.rids()[asked_before:]}
+    table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
+    assert not asked_after & set(done_before)  # finished samples were not generated again
+    assert asked_after | set(done_before) == set(ids)
+    assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)
+    metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
+    assert metrics["resumed_samples"] == len(done_before)
+    assert metrics["generated_samples"] == len(ids) - len(done_before)
+    assert not (tmp_path / JOURNAL).exists()  # removed once the output is in place
+
+
+def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
+    hw = {"name": "cpu", "engine": "local", "device": "cpu", "precision": "fp32",
+          "num_threads": 1, "local": {"batch_size": 2}, "sglang": None}
+    ids = make_workdir(tmp_path, model_dir, n=60, hardware=hw, max_new_tokens=40,
+                       generate={"guard": False})
+    done_before = start_and_kill(tmp_path, random.Random().randint(2, 30))
+    proc = run_generate(tmp_path, "--shard", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert [r["id"] for r in table] == ids
+    metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
+    assert metrics["resumed_samples"] == len(done_before)
+    assert metrics["generated_samples"] == len(ids) - len(done_before)
+
+
+def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):
+    path = tmp_path / "j.jsonl"
+    ident = {"model": "m", "sampling": {"max_new_tokens": 4}}
+    j = Journal(path, ident)
+    assert j.open() == {}
+    j.append([Result("a", [1, 2], "stop"), Result("b", [], "error", "boom")], wall_s=1.5)
+    j.append([Result("b", [3], "length")], wall_s=2.5)
+    j.close()
+    with open(path, "ab") as f:
+        f.write(b'{"id": "c", "compl')  # died mid-write
+    j = Journal(path, ident)
+    records = j.open()
+    assert {k: (v.completion_ids, v.finish_reason) for k, v in records.items()} == {
+        "a": ([1, 2], "stop"), "b": ([3], "length")}
+    assert j.wall_s == 2.5
+    j.append([Result("c", [9], "stop")])
+    j.close()
+    assert set(Journal(path, ident).open()) == {"a", "b", "c"}  # no line glued to the torn one
+
+
+def test_journal_of_another_sampling_is_set_aside(tmp_path):
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, {"sampling": {"temperature": 0.0}})
+    j.open()
+    j.append([Result("a", [1], "stop")])
+    j.close()
+    j = Journal(path, {"sampling": {"temperature": 0.7}})
+    assert j.open() == {}
+    assert j.discarded is not None and j.discarded.exists()
+    j.close()
+
+
+def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_path, model_dir):
+    server = StandIn(tmp_path, "--delay", "0.4")
+    ids = make_workdir(tmp_path, model_dir, n=30, hardware=sglang_hardware(server.port, 8),
+                       max_new_tokens=64,
+                       generate={"request_timeout_s": 0.2, "max_retries": 0, "guard": False,
+                                 "max_error_share": 0.2})
+    with server:
+        proc = run_generate(tmp_path, "--shard", "0")
+    # Every request timed out: far above max_error_share, so the shard fails and says why.
+    assert proc.returncode == 1
+    assert "max_error_share" in proc.stdout and "within 0.2s" in proc.stdout
+    assert not (tmp_path / "data/generated/train/shard-0.parquet").exists()
+    # The failures are journaled as errors and are generated again by the next run.
+    asked_before = len(server.rids())
+    with StandIn(tmp_path, port=server.port) as again:  # same port: appends to the same log
+        proc = run_generate(tmp_path, "--shard", "0")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert sorted(again.sample_ids()[asked_before:]) == ids
+    table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert [r["id"] for r in table] == ids and {r["finish_reason"] for r in table} == {"stop"}

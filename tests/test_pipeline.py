@@ -1,0 +1,111 @@
+"""The whole pipeline through real `dvc` subprocesses, in a throwaway copy of this repository.
+
+Every stage runs on the embedded default (tiny target, bundled prompts) on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# Outputs of an earlier run in the source checkout must not leak into the copy.
+NOT_COPIED = ("dvc.lock", "metrics/", "plots/", "dvclive/")
+ENV = {
+    **os.environ,
+    "DVC_NO_ANALYTICS": "1",
+    "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com",
+}  # fmt: skip
+BIN = Path(sys.executable).parent
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    exe = str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0]
+    done = subprocess.run([exe, *cmd[1:]], cwd=cwd, env=ENV, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, f"{cmd}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def copy_project(dest: Path) -> Path:
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+        text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    for rel in listed:
+        if rel.startswith(NOT_COPIED) or not (ROOT / rel).is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    run(["git", "init", "-q"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "copy"], dest)
+    return dest
+
+
+def ran_stages(out: str) -> list[str]:
+    return [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    repo = copy_project(tmp_path_factory.mktemp("pipeline"))
+    done = run(["dvc", "repro"], repo)
+    return repo, done.stdout
+
+
+def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
+    repo, out = finished
+    assert set(ran_stages(out)) == {
+        "curate", "generate@0", "generate@1", "generate@2", "generate@3", "generate_eval",
+        "validate", "extract", "train", "evaluate",
+    }  # fmt: skip
+    verdict = json.loads((repo / "metrics/validate.json").read_text())
+    assert verdict["passed"] is True
+    ev = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert ev["tau"] >= 1.0 and ev["tau_untrained"] >= 1.0
+    assert (repo / "models/drafter/config.json").is_file()
+    again = run(["dvc", "repro"], repo)
+    assert ran_stages(again.stdout) == []
+
+
+def test_no_stage_depends_on_hardware_so_switching_profile_invalidates_nothing(finished):
+    repo, _ = finished
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for name, stage in lock["stages"].items():
+        for params in (stage.get("params") or {}).values():
+            assert not any(key.startswith("hardware") for key in params), name
+    for profile in ("b200x8", "pro6000x4"):
+        run(["draftline", "compose", f"hardware={profile}"], repo)
+        status = run(["dvc", "status"], repo)
+        assert "up to date" in status.stdout, (profile, status.stdout)
+    run(["draftline", "compose"], repo)
+
+
+def test_exp_show_lists_stage_metrics(finished):
+    repo, _ = finished
+    shown = run(["dvc", "exp", "show", "--json"], repo).stdout
+    assert "rows_kept" in shown and "tau" in shown
+
+
+def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
+    """The seed's pathology end to end: tiny answers pass generation (guard off, as when the
+    guard's window is not yet full) and validate refuses them; extract never runs."""
+    repo = copy_project(tmp_path)
+    run(["draftline", "compose", "generate.max_new_tokens=6", "generate.guard=false"], repo)
+    done = run(["dvc", "repro"], repo, check=False)
+    assert done.returncode != 0
+    stages = ran_stages(done.stdout)
+    assert "validate" in stages and "extract" not in stages and "train" not in stages
+    metrics = json.loads((repo / "metrics/validate.json").read_text())
+    assert metrics["passed"] is False
+    assert not (repo / "data/validated/verdict.json").exists()
+    assert not (repo / "data/extracted").exists()
