@@ -382,6 +382,14 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
                 f"{', '.join(owners_ok)} ({v.checked} objects checked: {how})",
             )
         )
+    if owners_bad:
+        findings.append(
+            Finding(
+                False,
+                f"{len(owners_bad)} stages/files not intact in {where}: {', '.join(owners_bad)} "
+                f"({v.checked} objects checked: {how})",
+            )
+        )
     for obj in v.missing[:20]:
         findings.append(
             Finding(
@@ -521,10 +529,14 @@ def _bookkeeping(change: str) -> bool:
 
 
 def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[Finding]:
-    paths = [str(notes.relative_to(root))]
-    paths += [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c)]
-    paths = sorted(set(paths))
-    added = _git(root, "add", "--", *paths)
+    note_path = str(notes.relative_to(root))
+    kept = [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c)]
+    paths = sorted({note_path, *kept})
+    # -f for the notes: the copied logs keep their paths (logs/, .draftline/), which the
+    # repository's .gitignore ignores, and they must reach the next node all the same.
+    added = _git(root, "add", "-f", "--", note_path)
+    if added.returncode == 0 and kept:
+        added = _git(root, "add", "--", *kept)
     if added.returncode != 0:
         return [
             Finding(
@@ -628,7 +640,8 @@ def plan(opts: Options, info: remote.RemoteInfo | None, notes: Path) -> list[str
         "check for stages in flight (DVC rwlock), unfinished generation journals, free disk "
         "space and a writable DVC cache",
         f"snapshot this node into {notes}/NOTES.md and node.json (secrets redacted)",
-        f"copy logs from {', '.join(s + '/' for s in LOG_SOURCES)} and metrics/**/*.json into {notes}/",
+        f"copy logs from {', '.join(s + '/' for s in LOG_SOURCES)} and metrics/**/*.json "
+        f"into {notes}/",
         f"dvc push --run-cache -r {info.name if info else '?'}   -> {target}",
         "verify that the remote holds every object of dvc.lock and .dvc files "
         f"(.dir entries included) and the run-cache{' (download and hash)' if opts.deep else ''}",

@@ -1,0 +1,326 @@
+"""`draftline salvage` end to end: real git, real `dvc` subprocesses, a real S3 HTTP endpoint
+(moto's ThreadedMotoServer on 127.0.0.1), and the faults a node meets when it is shut down."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
+from tiny_pipeline import base_env, clone_node, make_origin, run, salvage
+
+HF_TOKEN = "hf_SalvageTestToken_9d8c7b6a"
+DB_PASSWORD = "pw-salvage-4711-private"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[S3Server]:
+    s3 = S3Server()
+    s3.start()
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture
+def bucket(server: S3Server) -> str:
+    name = f"salvage-{uuid.uuid4().hex[:12]}"
+    server.create_bucket(name)
+    return name
+
+
+@pytest.fixture
+def env(tmp_path: Path, server: S3Server) -> dict[str, str]:
+    e = base_env(tmp_path, server)
+    e["HF_TOKEN"] = HF_TOKEN
+    e["DB_PASSWORD"] = DB_PASSWORD
+    return e
+
+
+@pytest.fixture
+def node(tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str) -> Path:
+    """Node A: a clone with prepare + 2 of 4 shards finished."""
+    origin = make_origin(tmp_path, env)
+    node = clone_node(origin, tmp_path / "node-a", env, server, bucket)
+    run(["dvc", "repro", "prepare", "shard@0", "shard@1"], node, env)
+    return node
+
+
+def lock_objects(node: Path) -> dict[str, str]:
+    """oid -> workspace path for every output in dvc.lock, `.dir` entries included."""
+    lock = yaml.safe_load((node / "dvc.lock").read_text())
+    found = {}
+    for entry in lock["stages"].values():
+        for out in entry.get("outs", []):
+            found[out["md5"]] = out["path"]
+            if out["md5"].endswith(".dir"):
+                manifest = cache_path(node, out["md5"]).read_text()
+                for item in yaml.safe_load(manifest):
+                    found[item["md5"]] = f"{out['path']}/{item['relpath']}"
+    return found
+
+
+def cache_path(node: Path, oid: str) -> Path:
+    return node / ".dvc" / "cache" / "files" / "md5" / oid[:2] / oid[2:]
+
+
+def remote_key(oid: str) -> str:
+    return f"dvc/files/md5/{oid[:2]}/{oid[2:]}"
+
+
+def no_secrets(*texts: str) -> None:
+    for text in texts:
+        for secret in (HF_TOKEN, DB_PASSWORD, SECRET_ACCESS_KEY, ACCESS_KEY_ID):
+            assert secret not in text
+
+
+def test_salvage_pushes_stages_shards_run_cache_verifies_and_commits(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    logs = node / "logs"
+    logs.mkdir()
+    (logs / "generate.log").write_text(
+        f"starting with token {HF_TOKEN}\nfetch https://u:{DB_PASSWORD}@db.example/x\nok\n"
+    )
+    done = salvage(node, env, "--stop-servers")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "VERDICT: SAFE" in out
+    assert "prepare, shard@0, shard@1" in out and "dvc repro --pull" in out
+
+    # Every object dvc.lock names -- directory entries included -- and the run-cache are there.
+    keys = set(server.keys(bucket))
+    for oid in lock_objects(node):
+        assert remote_key(oid) in keys
+    runs = [p for p in (node / ".dvc" / "cache" / "runs").rglob("*") if p.is_file()]
+    assert len(runs) == 3
+    assert len([k for k in keys if k.startswith("dvc/runs/")]) == 3
+
+    # dvc.lock and the notes are committed and pushed to origin.
+    pulled = tmp_path / "check"
+    run(["git", "clone", "-q", str(tmp_path / "origin.git"), str(pulled)], tmp_path, env)
+    assert (pulled / "dvc.lock").read_text() == (node / "dvc.lock").read_text()
+    notes = list((pulled / "notes" / "salvage").glob("*/NOTES.md"))
+    assert len(notes) == 1
+    folder = notes[0].parent
+    assert (folder / "node.json").exists() and (folder / "salvage.json").exists()
+    gathered = (folder / "logs" / "logs" / "generate.log").read_text()
+    assert "starting with token ***" in gathered and "https://***@db.example/x" in gathered
+    assert "dvc repro --pull" in notes[0].read_text()
+    no_secrets(out, *(p.read_text() for p in folder.rglob("*") if p.is_file()))
+
+    # Nothing left to do: a second salvage is SAFE too.
+    again = salvage(node, env)
+    assert again.returncode == 0, again.stdout
+
+
+def test_dry_run_prints_the_plan_and_changes_nothing(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    head = run(["git", "rev-parse", "HEAD"], node, env).stdout
+    done = salvage(node, env, "--dry-run", "--stop-servers")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for step in (
+        "dvc push --run-cache -r s3",
+        "verify that the remote holds every object",
+        "draftline serve stop",
+        "git commit dvc.lock",
+    ):
+        assert step in done.stdout
+    assert server.keys(bucket) == []
+    assert run(["git", "rev-parse", "HEAD"], node, env).stdout == head
+    assert not (node / "notes").exists()
+    no_secrets(done.stdout)
+
+
+def test_missing_credentials_is_not_safe_and_names_the_fix(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    done = salvage(node, env, "--no-push-git")
+    assert done.returncode == 1
+    assert "NOT SAFE  no AWS credentials found for remote 's3'" in done.stdout
+    assert "export AWS_ACCESS_KEY_ID=" in done.stdout
+    assert "dvc remote modify --local s3 access_key_id" in done.stdout
+    assert server.keys(bucket) == []
+
+
+def test_missing_and_corrupted_remote_objects_are_detected(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    assert salvage(node, env).returncode == 0
+    objects = {path: oid for oid, path in lock_objects(node).items()}
+    client = server.client()
+    # Corrupted: same key, other bytes (dvc push skips keys that exist, so it stays corrupted).
+    client.put_object(
+        Bucket=bucket, Key=remote_key(objects["data/shards/shard-0.txt"]), Body=b"bit rot\n"
+    )
+    # Missing, with no local copy to push again: a shard and one entry of a directory output.
+    for path in ("data/shards/shard-1.txt", "data/prepared/in-2.txt"):
+        client.delete_object(Bucket=bucket, Key=remote_key(objects[path]))
+        cache_path(node, objects[path]).unlink()
+
+    done = salvage(node, env, "--no-push-git")
+    assert done.returncode == 1, done.stdout
+    assert (
+        "corrupted in s3://" in done.stdout and "data/shards/shard-0.txt (shard@0)" in done.stdout
+    )
+    assert "ETag (content MD5)" in done.stdout
+    assert "missing in s3://" in done.stdout
+    assert "data/shards/shard-1.txt (shard@1" in done.stdout
+    assert "data/prepared/in-2.txt (prepare" in done.stdout
+    assert "VERDICT: NOT SAFE" in done.stdout
+
+    deep = salvage(node, env, "--no-push-git", "--deep")
+    assert deep.returncode == 1 and "content MD5" in deep.stdout
+    assert "downloaded and hashed" in deep.stdout
+
+
+def test_shard_in_flight_journal_and_uncommitted_files_are_not_safe(
+    node: Path, env: dict[str, str]
+) -> None:
+    hold = node / ".draftline" / "hold-2"
+    hold.touch()
+    repro = subprocess.Popen(
+        ["dvc", "repro", "shard@2"],
+        cwd=node,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        rwlock = node / ".dvc" / "tmp" / "rwlock"
+        deadline = time.monotonic() + 120
+        while "shard-2.txt" not in (rwlock.read_text() if rwlock.exists() else ""):
+            assert repro.poll() is None and time.monotonic() < deadline, "repro did not start"
+            time.sleep(0.2)
+        journal = node / ".draftline" / "journal" / "generate" / "shard-3.jsonl"
+        journal.parent.mkdir(parents=True)
+        journal.write_text('{"id": "a"}\n{"id": "b"}\n')
+        (node / "scripts").mkdir()
+        (node / "scripts" / "patch_server.sh").write_text("echo patched\n")
+
+        done = salvage(node, env, "--no-push-git")
+        assert done.returncode == 1
+        assert "in flight: data/shards/shard-2.txt is being written by pid" in done.stdout
+        assert "unfinished shard generate@3: 2 samples" in done.stdout
+        assert "scripts/patch_server.sh" in done.stdout
+        # What was finished is still saved.
+        assert "SAFE      3 finished stages/files" in done.stdout
+    finally:
+        hold.unlink()
+        repro.wait(timeout=120)
+    assert repro.returncode == 0, repro.stdout.read() if repro.stdout else ""
+    shutil.rmtree(node / "scripts")
+    shutil.rmtree(journal.parent)
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout
+    assert "shard@2" in done.stdout
+
+
+def test_endpoint_stopped_mid_push_then_second_salvage_succeeds(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    own = S3Server()  # this test stops its server: not the shared one
+    own.start()
+    try:
+        own.create_bucket("midpush")
+        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
+        origin = make_origin(tmp_path, env, bulk_files=40, bulk_kib=256)
+        node = clone_node(origin, tmp_path / "node", env, own, "midpush", jobs=1)
+        run(["dvc", "repro", "bulk"], node, env)
+
+        stopped = threading.Event()
+
+        def stop_after_some_uploads() -> None:
+            while not stopped.is_set():
+                if len(own.keys("midpush", "dvc/files/")) >= 3:
+                    own.stop()
+                    stopped.set()
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=stop_after_some_uploads, daemon=True)
+        watcher.start()
+        first = salvage(node, env, "--no-push-git")
+        stopped.set()
+        watcher.join()
+        assert first.returncode != 0, first.stdout
+        assert "NOT SAFE" in first.stdout and "VERDICT: NOT SAFE" in first.stdout
+        assert not own.running
+
+        own.start()
+        uploaded = len(own.keys("midpush", "dvc/files/"))
+        assert 3 <= uploaded < 41  # 40 parts + the manifest: the push really was cut short
+        second = salvage(node, env, "--no-push-git")
+        assert "41 objects checked" in second.stdout, second.stdout
+        assert "run-cache: 1 entries" in second.stdout
+        # Only the git push is missing (no --push-git wanted): the data itself is safe.
+        not_safe = [line for line in second.stdout.splitlines() if line.startswith("NOT SAFE")]
+        assert not_safe == [line for line in not_safe if "only on this node" in line]
+        assert len(own.keys("midpush", "dvc/files/")) == 41
+    finally:
+        own.stop()
+
+
+def _in_mount_namespace(
+    setup: str, cmd: list[str], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Run `cmd` after `setup` (mount commands) in a private mount namespace.
+
+    Needs root or unprivileged user namespaces; the mounts vanish with the namespace.
+    """
+    unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--mount", "-r"]
+    script = f'set -e\n{setup}\nexec "$@"\n'
+    return subprocess.run(
+        [*unshare, "sh", "-c", script, "sh", *cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_unwritable_cache_is_reported(node: Path, env: dict[str, str]) -> None:
+    cache = node / ".dvc" / "cache"
+    done = _in_mount_namespace(
+        f"mount --bind {cache} {cache}\nmount -o remount,bind,ro {cache}",
+        [sys.executable, "-m", "draftline", "salvage", "--no-push-git"],
+        node,
+        env,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"DVC cache {cache} is not writable (Read-only file system)" in done.stdout
+    assert "dvc cache dir --local" in done.stdout
+
+
+def test_full_disk_is_reported(node: Path, env: dict[str, str]) -> None:
+    notes = node / "notes" / "salvage"
+    notes.mkdir(parents=True)
+    head = run(["git", "rev-parse", "HEAD"], node, env).stdout
+    done = _in_mount_namespace(
+        f"mount -t tmpfs -o size=64k tmpfs {notes}\n"
+        f"dd if=/dev/zero of={notes}/filler bs=4k count=100 2>/dev/null || true",
+        [sys.executable, "-m", "draftline", "salvage", "--no-push-git"],
+        node,
+        env,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"disk full: 0.0 MiB free at {notes}" in done.stdout
+    assert "disk full while writing notes" in done.stdout
+    assert "No space left on device" in done.stdout
+    # The data itself still went to the remote.
+    assert "SAFE      3 finished stages/files" in done.stdout
+    # No notes, so no commit: the lock stays uncommitted and is reported as such.
+    assert run(["git", "rev-parse", "HEAD"], node, env).stdout == head
+    assert "dvc.lock" in done.stdout
