@@ -10,7 +10,8 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
 
 The "model" is a deterministic function of the prompt ids, so a sample regenerated after a
 resume is identical. `--mode` shapes completions: `think` (`<think> t.. </think> a.. <eot>`),
-`empty` (two tokens then end of turn: the "OK." failure), `truncated` (never ends a turn).
+`empty` (two tokens then end of turn: the "OK." failure), `truncated` (never ends a turn);
+`--think-tokens N` makes every think block N tokens long (realistic response sizes).
 
 Faults, for the fault tests: `--p500` / `--p429` (share of requests answered 500 / 429),
 `--pdrop` (share whose connection is closed without an answer), `--delay` (seconds per answer),
@@ -41,7 +42,10 @@ def completion_for(prompt: list[int], params: dict[str, Any], opts: argparse.Nam
     body = [vocab_low + b % (vocab_high - vocab_low) for b in digest]  # 32 "content" tokens
     if opts.mode == "think":
         n_think, n_answer = 4 + digest[0] % 12, 2 + digest[1] % 10
-        out = [opts.think_start, *body[:n_think], opts.think_end, *body[n_think : n_think + n_answer]]
+        think = body[:n_think]
+        if opts.think_tokens:  # realistic lengths: the seed averaged ~2,500 tokens a sample
+            think = (body * (opts.think_tokens // len(body) + 1))[: opts.think_tokens]
+        out = [opts.think_start, *think, opts.think_end, *body[n_think : n_think + n_answer]]
     elif opts.mode == "empty":
         out = body[:2]
     else:  # truncated: keeps going
@@ -133,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["think", "empty", "truncated"], default="think")
     p.add_argument("--think-start", type=int, default=5)
     p.add_argument("--think-end", type=int, default=6)
+    p.add_argument("--think-tokens", type=int, default=0)
     p.add_argument("--vocab-low", type=int, default=20)
     p.add_argument("--vocab-high", type=int, default=200)
     p.add_argument("--p500", type=float, default=0.0)

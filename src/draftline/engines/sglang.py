@@ -200,8 +200,12 @@ class SGLangEngine:
                 raw = await resp.read()
                 if resp.status == 200:
                     body = orjson.loads(raw)
-                    if isinstance(body, list):  # a batch answer; we send one sample a request
+                    if isinstance(body, list) and body:  # a batch answer; we send one sample
                         body = body[0]
+                    if not isinstance(body, dict):
+                        raise _Retryable(
+                            f"malformed answer from {endpoint}: {raw[:300]!r}", connection=False
+                        )
                     return parse_response(sample_id, body, self.end_of_turn)
                 detail = raw[:300].decode("utf-8", "replace")
                 if resp.status == 429 or resp.status >= 500:
@@ -220,6 +224,10 @@ class SGLangEngine:
             ) from exc
         except orjson.JSONDecodeError as exc:
             raise _Retryable(f"malformed answer from {endpoint}: {exc}", connection=False) from exc
+        except aiohttp.ClientError as exc:  # e.g. a garbled status line: a sample, not the run
+            raise _Retryable(
+                f"{type(exc).__name__} from {endpoint}: {exc}", connection=False
+            ) from exc
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         s = self.settings
@@ -230,9 +238,7 @@ class SGLangEngine:
         return delay
 
     async def _any_healthy(self, session: aiohttp.ClientSession) -> bool:
-        checks = [
-            health(session, e, self.settings.health_timeout_s) for e in self.in_flight
-        ]
+        checks = [health(session, e, self.settings.health_timeout_s) for e in self.in_flight]
         return any(await asyncio.gather(*checks))
 
 

@@ -1,0 +1,232 @@
+"""The online quality guard of `generate` (draftline.guard).
+
+Unit tests feed the guard rows built with the library's own completion statistics
+(`draftline.loss_mask.completion_stats`, `draftline.quality.completion_hash`) under the project's
+real thresholds (conf/quality/default.yaml). The end-to-end test runs a generate stage in a
+subprocess against the SGLang stand-in (tests/sglang_standin.py, a real HTTP server in its own
+process speaking SGLang's `/generate` and `/health`; SGLang itself needs a GPU) answering empty
+completions, and checks that the shard stops early, says why, and keeps what it journaled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from generate_helpers import (
+    QUALITY,
+    StandIn,
+    build_random_target,
+    make_workdir,
+    run_generate,
+    sglang_hardware,
+)
+
+from draftline.engines.base import Result
+from draftline.guard import Guard, GuardAbort
+from draftline.journal import Journal
+from draftline.loss_mask import SpecialIds, completion_stats
+from draftline.quality import completion_hash
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_QUALITY = yaml.safe_load((REPO / "conf/quality/default.yaml").read_text(encoding="utf-8"))
+SPECIAL = SpecialIds(end_of_turn=2, think_start=3, think_end=4)
+MAX_NEW = 2048
+JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
+
+
+def row(i: int, completion: list[int], finish: str = "stop", error: str | None = None) -> dict:
+    """The scalar columns `generate` writes for one sample, computed by the library."""
+    stats = completion_stats(completion, SPECIAL)
+    return {
+        "id": f"s{i:06d}",
+        "num_completion_tokens": len(completion),
+        "finish_reason": finish,
+        "error": error,
+        "has_think_block": stats.has_think_block,
+        "think_tokens": stats.think_tokens,
+        "answer_tokens": stats.answer_tokens,
+        "loss_mask_sum": stats.loss_mask_sum,
+        "completion_hash": completion_hash(completion),
+    }
+
+
+def tokens(i: int, n: int) -> list[int]:
+    digest = hashlib.sha256(str(i).encode()).digest()
+    return [10 + (digest[k % 32] + k * 7) % 1000 for k in range(n)]
+
+
+def healthy(i: int, thinking: bool = True) -> dict:
+    """A varied, well-formed completion: think block (when on), answer, end of turn."""
+    think, answer = tokens(i, 40 + i * 37 % 600), tokens(i + 1, 20 + i * 13 % 200)
+    body = [3, *think, 4, *answer] if thinking else answer
+    return row(i, [*body, 2])
+
+
+def empty(i: int) -> dict:
+    """The seed's failure: `OK.<|im_end|>`, two tokens then end of turn, no think block."""
+    return row(i, [10 + i % 3, 11, 2])
+
+
+def truncated(i: int) -> dict:
+    """Cut at max_new_tokens inside a think block that never closes."""
+    return row(i, [3, *tokens(i, MAX_NEW - 1)], finish="length")
+
+
+def feed(guard: Guard, rows: Any) -> int:
+    """Observe rows until the guard aborts; the number observed (all of them if it never did)."""
+    n = 0
+    for r in rows:
+        n += 1
+        guard.observe(r)
+    return n
+
+
+def make_guard(thinking: bool = True, quality: dict | None = None) -> Guard:
+    return Guard(quality or DEFAULT_QUALITY, thinking=thinking, max_new_tokens=MAX_NEW)
+
+
+def abort_of(guard: Guard, rows: Any) -> tuple[int, str]:
+    seen = 0
+
+    def counted():
+        nonlocal seen
+        for r in rows:
+            seen += 1
+            yield r
+
+    with pytest.raises(GuardAbort) as info:
+        feed(guard, counted())
+    return seen, str(info.value)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_healthy_data_is_never_aborted(thinking):
+    guard = make_guard(thinking)
+    assert feed(guard, (healthy(i, thinking) for i in range(3000))) == 3000
+    assert guard.seen == 3000 and len(guard.window) == guard.window.maxlen
+
+
+def test_a_few_bad_samples_below_the_limits_do_not_abort():
+    """2% truncated and 2% empty: under max_truncated_share=0.05 and the supervised limits."""
+
+    def mixed(i: int) -> dict:
+        if i % 50 == 7:
+            return truncated(i)
+        if i % 50 == 31:
+            return empty(i)
+        return healthy(i)
+
+    assert feed(make_guard(), (mixed(i) for i in range(2000))) == 2000
+
+
+def test_empty_responses_abort_within_the_first_samples_naming_the_cause():
+    guard = make_guard(thinking=True)
+    seen, message = abort_of(guard, (empty(i) for i in range(100_000)))
+    assert DEFAULT_QUALITY["guard"]["min_samples"] <= seen <= 100  # not after 100,000
+    assert f"the last {seen} finished samples (of {seen})" in message
+    assert "think_block_share" in message and "supervised_tokens_min" in message
+    assert "Likely cause: thinking is on but responses carry no <think>" in message
+    assert "thinking is disabled" in message and "wrong template" in message
+    assert "kept in the journal" in message
+
+
+def test_empty_responses_without_thinking_blame_the_template():
+    seen, message = abort_of(make_guard(thinking=False), (empty(i) for i in range(100_000)))
+    assert seen <= 100
+    assert "think_block_share" not in message  # no think check when thinking is off
+    assert "responses are (near-)empty" in message and "chat template is wrong" in message
+    assert "or thinking is disabled" in message
+
+
+def test_truncated_responses_abort_naming_max_new_tokens():
+    seen, message = abort_of(make_guard(), (truncated(i) for i in range(100_000)))
+    assert seen <= 100
+    assert "truncated_share" in message
+    assert f"100% of responses hit max_new_tokens={MAX_NEW}" in message
+    assert "inside an unclosed <think>" in message and "max_new_tokens is too small" in message
+
+
+def test_failing_requests_blame_the_server():
+    def failed(i: int) -> dict:
+        return row(i, [], finish="error", error="HTTP 500") if i % 4 else healthy(i)
+
+    _, message = abort_of(make_guard(), (failed(i) for i in range(10_000)))
+    assert "error_share" in message and "engine or server is broken" in message
+
+
+def test_rolling_window_catches_a_degradation_after_a_healthy_start():
+    """A long healthy start does not dilute a later failure: the guard judges the last window."""
+    window = DEFAULT_QUALITY["guard"]["window"]
+
+    def degrading(i: int) -> dict:
+        return healthy(i) if i < 5000 else empty(i)
+
+    seen, message = abort_of(make_guard(), (degrading(i) for i in range(100_000)))
+    assert 5000 < seen <= 5000 + window  # within one window of the change
+    assert f"(of {seen})" in message and "Likely cause" in message
+
+
+def test_guard_needs_min_samples_before_judging():
+    quality = {**DEFAULT_QUALITY, "guard": {"min_samples": 200, "window": 400}}
+    guard = make_guard(quality=quality)
+    assert feed(guard, (empty(i) for i in range(199))) == 199  # too few to judge yet
+    with pytest.raises(GuardAbort):
+        feed(guard, (empty(i) for i in range(199, 260)))
+
+
+# End to end: a generate stage through the SGLang stand-in.
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_random_target(tmp_path_factory.mktemp("target"))
+
+
+def resumable(path: Path) -> tuple[dict[str, Result], int]:
+    """What a rerun would resume from the journal (read by the library), and its record lines."""
+    lines = path.read_bytes().splitlines()
+    identity = json.loads(lines[0])["identity"]
+    journal = Journal(path, identity)
+    try:
+        return journal.open(), len(lines) - 1
+    finally:
+        journal.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "cause"),
+    [
+        ("empty", "thinking is disabled somewhere"),
+        ("truncated", "max_new_tokens is too small"),
+    ],
+)
+def test_shard_through_the_standin_aborts_early_and_keeps_its_journal(
+    tmp_path, model_dir, mode, cause
+):
+    n = 600
+    server = StandIn(tmp_path, "--mode", mode)
+    ids = make_workdir(tmp_path, model_dir, n=n, hardware=sglang_hardware(server.port, 8))
+    with server:
+        proc = run_generate(tmp_path, "--shard", "0")
+        asked = server.sample_ids()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "generate shard-0 stopped: generation guard" in out
+    assert f"Likely cause: {'' if mode == 'empty' else '100% of responses hit'}" in out
+    assert cause in out
+    # Early: the guard judged its first window, far from the whole shard.
+    min_samples = QUALITY["guard"]["min_samples"]
+    assert min_samples <= len(set(asked)) < n / 3
+    # Nothing half-written in place; the journal keeps every sample that finished.
+    assert not (tmp_path / "data/generated/train/shard-0.parquet").exists()
+    assert not (tmp_path / "metrics/generate/shard-0.json").exists()
+    journaled, lines = resumable(tmp_path / JOURNAL)
+    assert len(journaled) == lines >= min_samples  # one record per finished sample
+    assert set(journaled) <= set(ids) and set(journaled) <= set(asked)
+    expected_reason = "stop" if mode == "empty" else "length"
+    assert {r.finish_reason for r in journaled.values()} == {expected_reason}

@@ -1,0 +1,402 @@
+"""`draftline serve start|stop|status`: SGLang command lines from the hardware profiles, and the
+lifecycle of the servers it starts.
+
+The command-line tests build the launch command from the committed profiles (conf/hardware) and
+check every flag. The lifecycle tests run the real CLI in subprocesses, with one substitution:
+SGLang needs a GPU and is not installed here, so `$DRAFTLINE_SGLANG_LAUNCHER` replaces
+`python -m sglang_router.launch_server` with a stand-in launcher executable. It starts an extra
+"engine" process in its process group (as the router does) and then becomes the SGLang stand-in
+(tests/sglang_standin.py: a real HTTP server speaking SGLang's `/generate` and `/health`, which
+accepts SGLang's flags and records the command line it got). Everything else is the code path of a
+real node: the process group, the pid file, the log under logs/serve/, the wait for `/health`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from generate_helpers import (
+    STANDIN,
+    StandIn,
+    build_random_target,
+    free_port,
+    make_workdir,
+    run_generate,
+    sglang_hardware,
+)
+
+from draftline import hardware, sglang_server
+from draftline.sglang_server import ServeError, server_command, server_url
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILES = hardware.load_profiles(REPO / "conf")
+TARGET = yaml.safe_load((REPO / "conf/model/qwen3_6_27b.yaml").read_text(encoding="utf-8"))
+STANDIN_IDS = ["--think-start", "3", "--think-end", "4", "--vocab-low", "10", "--vocab-high", "300"]
+
+LAUNCHER = f"""#!{sys.executable}
+# Stand-in for `python -m sglang_router.launch_server`: SGLang needs a GPU. It starts an "engine"
+# process in its own process group, as the router does, then becomes the SGLang stand-in.
+import os, subprocess, sys
+engine_pid_file, *flags = sys.argv[1:]
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(engine_pid_file, "w") as f:
+    f.write(str(engine.pid))
+os.execv(sys.executable, [sys.executable, {str(STANDIN)!r}, *flags])
+"""
+
+
+def flags(command: list[str]) -> dict[str, str | bool]:
+    """`--flag value` pairs and bare `--switch`es of a command line."""
+    out: dict[str, str | bool] = {}
+    for i, arg in enumerate(command):
+        if arg.startswith("--"):
+            nxt = command[i + 1] if i + 1 < len(command) else None
+            out[arg] = nxt if nxt is not None and not nxt.startswith("--") else True
+    return out
+
+
+# Command lines from the profiles.
+
+
+def test_cpu_profile_says_sglang_is_not_for_it():
+    with pytest.raises(ServeError, match="SGLang is not for hardware profile 'cpu'") as info:
+        server_command(PROFILES["cpu"], TARGET)
+    assert "needs GPUs" in str(info.value) and "local engine" in str(info.value)
+    assert "--hardware pro6000x4" in str(info.value)
+
+
+def test_pro6000x4_router_over_four_data_parallel_engines():
+    cmd = server_command(PROFILES["pro6000x4"], TARGET, python="/opt/sglang/bin/python")
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang_router.launch_server"]
+    f = flags(cmd)
+    assert f["--dp-size"] == "4" and f["--tp-size"] == "1"
+    assert f["--model-path"] == "Qwen/Qwen3.6-27B" and f["--revision"] == "main"
+    assert f["--host"] == "127.0.0.1" and f["--port"] == "30000"
+    assert "--quantization" not in f and "--kv-cache-dtype" not in f  # bf16, kv cache auto
+    assert f["--mem-fraction-static"] == "0.85" and f["--context-length"] == "16384"
+    assert f["--max-running-requests"] == "256"
+    assert f["--speculative-algorithm"] == "NEXTN"  # MTP: the target's own MTP head
+    assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"]) == ("3", "1")
+    assert f["--speculative-num-draft-tokens"] == "4"
+    assert f["--enable-hierarchical-cache"] is True
+    assert f["--reasoning-parser"] == "qwen3"
+    assert f["--skip-tokenizer-init"] is True  # token ids in and out
+
+
+def test_b200x8_fp8_eight_engines_mtp_and_hierarchical_cache():
+    cmd = server_command(PROFILES["b200x8"], TARGET, python="python3")
+    assert cmd[:3] == ["python3", "-m", "sglang_router.launch_server"]
+    f = flags(cmd)
+    assert f["--dp-size"] == "8" and f["--tp-size"] == "1"
+    assert f["--quantization"] == "fp8" and f["--kv-cache-dtype"] == "fp8_e4m3"
+    assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "16384"
+    assert f["--max-running-requests"] == "512"
+    assert f["--speculative-algorithm"] == "NEXTN"
+    assert f["--speculative-num-steps"] == "3" and f["--speculative-num-draft-tokens"] == "4"
+    assert f["--enable-hierarchical-cache"] is True and f["--reasoning-parser"] == "qwen3"
+    assert f["--host"] == "127.0.0.1"
+    # Flags appear once each, values right after them.
+    assert len([a for a in cmd if a.startswith("--")]) == len(f)
+
+
+def test_single_engine_profile_runs_sglang_directly_and_binds_loopback_by_default():
+    profile = {
+        "name": "one-gpu",
+        "sglang": {
+            "dp_size": 1,
+            "tp_size": 2,
+            "port": 31000,
+            "extra_args": ["--log-level", "info"],
+        },
+    }
+    cmd = server_command(profile, {"path": "/models/x", "revision": None}, python="py")
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    f = flags(cmd)
+    assert "--dp-size" not in f and "--revision" not in f and f["--tp-size"] == "2"
+    assert f["--host"] == "127.0.0.1"  # the profile names no host: loopback, not every address
+    assert cmd[-2:] == ["--log-level", "info"]
+    assert server_url(profile) == "http://127.0.0.1:31000"
+
+
+def test_host_and_port_when_told_otherwise():
+    profile = PROFILES["pro6000x4"]
+    f = flags(server_command(profile, TARGET, host="0.0.0.0", port=31234, python="py"))
+    assert (f["--host"], f["--port"]) == ("0.0.0.0", "31234")
+    # Clients on the node reach a server bound to every address through loopback.
+    assert server_url(profile, "0.0.0.0", 31234) == "http://127.0.0.1:31234"
+    assert server_url(profile, "10.0.0.5", 31234) == "http://10.0.0.5:31234"
+
+
+def test_python_and_launcher_from_the_environment(monkeypatch):
+    monkeypatch.setenv(sglang_server.PYTHON_ENV, "/envs/sglang/bin/python")
+    assert server_command(PROFILES["b200x8"], TARGET)[:2] == ["/envs/sglang/bin/python", "-m"]
+    monkeypatch.setenv(sglang_server.LAUNCHER_ENV, "apptainer exec sglang.sif python -m x")
+    cmd = server_command(PROFILES["b200x8"], TARGET)
+    assert cmd[:6] == ["apptainer", "exec", "sglang.sif", "python", "-m", "x"]
+    assert cmd[6:8] == ["--model-path", "Qwen/Qwen3.6-27B"]
+
+
+# The CLI in a working folder laid out like the repository.
+
+
+def workdir(root: Path, hardware_name: str = "pro6000x4") -> Path:
+    shutil.copytree(REPO / "conf", root / "conf")
+    params = {"model": TARGET, "hardware": PROFILES[hardware_name], "generate": {}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    return root
+
+
+def serve(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftline", "serve", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", ["pro6000x4", "b200x8"])
+def test_cli_dry_run_prints_the_profile_command(tmp_path, name):
+    root = workdir(tmp_path, name)
+    rc, out = serve(root, "start", "--dry-run", "--hardware", name)
+    assert rc == 0, out
+    printed = shlex.split(out.strip())
+    assert printed == server_command(PROFILES[name], TARGET)
+    assert not (root / "logs").exists()  # a dry run starts nothing
+
+
+def test_cli_refuses_the_cpu_profile(tmp_path):
+    rc, out = serve(workdir(tmp_path, "cpu"), "start")
+    assert rc == 1 and "SGLang is not for hardware profile 'cpu'" in out
+
+
+# Lifecycle with the stand-in launcher.
+
+
+@pytest.fixture
+def launcher(tmp_path) -> tuple[dict[str, str], Path, Path]:
+    """Environment that makes `serve start` run the stand-in; the engine-pid and argv files."""
+    script = tmp_path / "bin" / "sglang-standin-launcher"
+    script.parent.mkdir()
+    script.write_text(LAUNCHER, encoding="utf-8")
+    script.chmod(0o755)
+    engine_pid, argv = tmp_path / "engine.pid", tmp_path / "argv.json"
+    command = [str(script), str(engine_pid), *STANDIN_IDS, "--argv-log", str(argv)]
+    return {sglang_server.LAUNCHER_ENV: shlex.join(command)}, engine_pid, argv
+
+
+def pid_file(root: Path, port: int) -> dict:
+    return json.loads(sglang_server.state_path(port, root).read_text(encoding="utf-8"))
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    fields = sglang_server._stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not is_running(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_start_status_stop_lifecycle(tmp_path, launcher):
+    env, engine_pid_file, argv_file = launcher
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    rc, out = serve(root, "status")
+    assert rc == 0 and "no server started" in out
+
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "60", env=env)
+    assert rc == 0, out
+    state = pid_file(root, port)
+    pid, engine = state["pid"], int(engine_pid_file.read_text())
+    assert f"healthy at {url}, pid {pid}" in out
+    # The server outlives the command that started it, in its own process group.
+    assert answers(url) and is_running(pid) and is_running(engine)
+    assert os.getpgid(pid) == pid == os.getpgid(engine) != os.getpgid(0)
+    # It got the profile's flags, bound to loopback.
+    got = flags(json.loads(argv_file.read_text()))
+    assert (got["--host"], got["--port"], got["--dp-size"]) == ("127.0.0.1", str(port), "4")
+    assert got["--speculative-algorithm"] == "NEXTN" and got["--enable-hierarchical-cache"]
+    # Logs under logs/serve/, headed by the command line.
+    log = root / "logs" / "serve" / f"sglang-{port}.log"
+    assert state["log"] == f"logs/serve/sglang-{port}.log" and log.exists()
+    assert shlex.join(state["command"]) in log.read_text()
+
+    # Starting again finds the healthy server it started, and starts no second one.
+    rc, out = serve(root, "start", "--port", str(port), env=env)
+    assert rc == 0 and f"pid {pid}" in out
+
+    rc, out = serve(root, "status")
+    assert rc == 0 and f"{url}  pid {pid}  running, healthy  profile pro6000x4" in out
+
+    # Frozen: still running, but not answering.
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        rc, out = serve(root, "status")
+        assert f"pid {pid}  running, not answering" in out
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+
+    rc, out = serve(root, "stop", "--port", str(port))
+    assert rc == 0 and f"stopped {url} (pid {pid})" in out
+    assert wait_gone(pid, 1) and wait_gone(engine, 1)  # the whole group, by the time stop returns
+    assert not listening(port)
+    assert not sglang_server.state_path(port, root).exists()
+    rc, out = serve(root, "status")
+    assert "no server started" in out
+
+
+def test_status_tells_a_dead_server_and_stop_ends_its_orphaned_engines(tmp_path, launcher):
+    env, engine_pid_file, _ = launcher
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "60", env=env)
+    assert rc == 0, out
+    pid, engine = pid_file(root, port)["pid"], int(engine_pid_file.read_text())
+
+    os.kill(pid, signal.SIGKILL)  # the router dies; its engine lives on in the group
+    assert wait_gone(pid)
+    rc, out = serve(root, "status")
+    assert f"pid {pid}  gone, not answering" in out
+    assert is_running(engine)
+
+    rc, out = serve(root, "stop", "--port", str(port))
+    assert rc == 0 and f"stopped http://127.0.0.1:{port} (pid {pid})" in out
+    assert wait_gone(engine, 1)
+    assert not sglang_server.state_path(port, root).exists()
+
+
+def test_start_failure_shows_the_log_tail_and_leaves_nothing(tmp_path):
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    crash = [
+        sys.executable, "-c",
+        "import sys; print('loading Qwen/Qwen3.6-27B'); "
+        "print('torch.OutOfMemoryError: CUDA out of memory', flush=True); sys.exit(3)",
+    ]  # fmt: skip
+    env = {sglang_server.LAUNCHER_ENV: shlex.join(crash)}
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "60", env=env)
+    assert rc == 1
+    assert f"SGLang server on port {port} exited with code 3" in out
+    assert f"Last lines of logs/serve/sglang-{port}.log" in out
+    assert "torch.OutOfMemoryError: CUDA out of memory" in out
+    assert not sglang_server.state_path(port, root).exists()
+    rc, out = serve(root, "status")
+    assert "no server started" in out
+
+
+def test_start_timeout_stops_the_server_that_never_got_healthy(tmp_path, launcher):
+    env, engine_pid_file, _ = launcher
+    env = {
+        sglang_server.LAUNCHER_ENV: env[sglang_server.LAUNCHER_ENV] + " --startup-delay 600"
+    }  # /health answers 503 "loading" all along
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "3", env=env)
+    assert rc == 1
+    assert f"SGLang server on port {port} not healthy after 3s (stopped)" in out
+    assert f"Last lines of logs/serve/sglang-{port}.log" in out
+    assert wait_gone(int(engine_pid_file.read_text()), 1) and not listening(port)
+    assert not sglang_server.state_path(port, root).exists()
+
+
+def test_a_foreign_server_on_the_port_is_never_stopped(tmp_path, launcher):
+    env, _, _ = launcher
+    root = workdir(tmp_path / "repo")
+    with StandIn(tmp_path) as foreign:  # started by someone else, not by `serve start`
+        rc, out = serve(root, "start", "--port", str(foreign.port), env=env)
+        assert rc == 1 and "something draftline did not start already answers" in out
+        rc, out = serve(root, "stop", "--all")
+        assert rc == 0 and "nothing to stop" in out
+
+        # A pid file whose pid now belongs to that other program (pid reuse after a reboot).
+        assert foreign.proc is not None
+        stale = {
+            "pid": foreign.proc.pid, "url": foreign.url, "port": foreign.port,
+            "command": ["python", "-m", "sglang_router.launch_server"], "log": "logs/x.log",
+            "profile": "pro6000x4", "started_at": 0.0, "start_ticks": 1,
+        }  # fmt: skip
+        path = sglang_server.state_path(foreign.port, root)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(stale), encoding="utf-8")
+        rc, out = serve(root, "status")
+        assert f"pid {foreign.proc.pid}  gone" in out  # not ours, whatever answers there
+        rc, out = serve(root, "stop", "--port", str(foreign.port))
+        assert rc == 0 and f"already gone: {foreign.url}" in out
+        assert foreign.proc.poll() is None and answers(foreign.url)
+        assert not path.exists()
+
+
+# The generate stage and the server.
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_random_target(tmp_path_factory.mktemp("target"))
+
+
+def test_generate_without_a_server_names_the_command_to_run(tmp_path, model_dir):
+    port = free_port()
+    make_workdir(tmp_path, model_dir, n=8, hardware=sglang_hardware(port))
+    proc = run_generate(tmp_path, "--shard", "0")
+    assert proc.returncode == 1
+    assert f"no SGLang server answers /health at http://127.0.0.1:{port}" in proc.stderr
+    assert "Start one with `draftline serve start` (hardware=test-sglang)" in proc.stderr
+    assert "generate.autostart=true" in proc.stderr
+    assert not (tmp_path / "logs").exists() and not listening(port)  # nothing was started
+
+
+def test_generate_autostart_starts_a_server_that_outlives_the_stage(tmp_path, model_dir, launcher):
+    env, engine_pid_file, argv_file = launcher
+    port = free_port()
+    ids = make_workdir(
+        tmp_path,
+        model_dir,
+        n=24,
+        hardware=sglang_hardware(port),
+        generate={"autostart": True},
+        max_new_tokens=64,
+    )
+    proc = run_generate(tmp_path, "--shard", "0", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"no SGLang server at http://127.0.0.1:{port}: starting one" in proc.stdout
+    assert (tmp_path / "data/generated/train/shard-0.parquet").exists() and len(ids) == 24
+    state = pid_file(tmp_path, port)
+    assert answers(f"http://127.0.0.1:{port}") and is_running(state["pid"])  # outlived the stage
+    assert flags(json.loads(argv_file.read_text()))["--host"] == "127.0.0.1"
+    rc, out = serve(tmp_path, "stop")
+    assert rc == 0 and f"stopped http://127.0.0.1:{port}" in out
+    assert wait_gone(state["pid"], 1) and wait_gone(int(engine_pid_file.read_text()), 1)
