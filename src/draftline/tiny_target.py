@@ -10,6 +10,7 @@ with a fixed torch thread count, so a rebuild on the same software gives byte-id
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -29,11 +30,12 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END, THINK, END_THINK, MASK]  # ids 0..5, in
 # turns lose their think block, turns after the last user turn keep it, and
 # enable_thinking=false pre-fills an empty think block after the generation prompt.
 CHAT_TEMPLATE = """\
-{%- set ns = namespace(last_query_index=messages|length - 1) -%}
+{%- set ns = namespace(last_query_index=messages|length - 1, found=false) -%}
 {%- for message in messages[::-1] -%}
 {%- set index = messages|length - 1 - loop.index0 -%}
-{%- if ns.last_query_index == messages|length - 1 and message.role == 'user' -%}
+{%- if not ns.found and message.role == 'user' -%}
 {%- set ns.last_query_index = index -%}
+{%- set ns.found = true -%}
 {%- endif -%}
 {%- endfor -%}
 {%- for message in messages -%}
@@ -43,11 +45,13 @@ CHAT_TEMPLATE = """\
 {%- set content = message.content -%}
 {%- set reasoning = '' -%}
 {%- if '</think>' in content -%}
-{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n')
+    .split('<think>')[-1].lstrip('\\n') -%}
 {%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
 {%- endif -%}
 {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) -%}
-{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n')
+    + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}
 {%- else -%}
 {{- '<|im_start|>assistant\\n' + content -}}
 {%- endif -%}
@@ -80,7 +84,7 @@ class BuildConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
-    steps: int = 300
+    steps: int = 450
     batch_size: int = 24
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -98,7 +102,7 @@ def _corpus_texts(examples: Sequence[tuple[list[Message], Task]]) -> list[str]:
 
 
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
-    """Byte-level BPE trained on `corpus`, wrapped as a PreTrainedTokenizerFast with the template."""
+    """Byte-level BPE trained on `corpus`, as a PreTrainedTokenizerFast with the chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,9 +111,7 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     # As in Qwen3, <think> and </think> are added but not "special": decoding with
     # skip_special_tokens keeps them.
-    specials = [
-        AddedToken(t, special=t not in (THINK, END_THINK), normalized=False) for t in SPECIAL_TOKENS
-    ]
+    specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=specials,
@@ -118,6 +120,11 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    # The trainer marks every reserved token special; clear the flag on the think markers.
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] not in (THINK, END_THINK)
+    tok = Tokenizer.from_str(json.dumps(data))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
