@@ -1,0 +1,297 @@
+"""GPU check: extraction and drafter-training throughput and MFU on one GPU, in one command.
+
+A random-initialised Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, vocab
+151936, bf16; no download) and the `dflash_b16` drafter (5 layers, block 16, 512 anchors):
+
+1. extraction: `extraction.pack_features` (length-sorted token-budget batches, forward cut
+   after the last target layer, features copied to host as bf16) over long-tailed lengths;
+   tokens/s and MFU of the target forward it runs (layers 0..max(target_layer_ids)).
+2. training: drafter steps (bf16 autocast, AdamW, weighted block loss, backward) on
+   --train-seq-len sequences with features from step 1's model; sequence tokens/s and MFU
+   of the drafter (forward + backward = 3x forward FLOPs, lm_head included).
+
+MFU is achieved matmul FLOPs over the GPU's dense bf16 peak (table below, or --peak-tflops).
+`--tiny` runs the same code on a tiny shape on CPU in seconds, as a smoke test.
+
+    python benchmarks/gpu_check.py [--out gpu_check.json]          # one H200: ~3-5 minutes
+    python benchmarks/gpu_check.py --tiny                          # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead, flops_per_block_token
+from draftline.extraction import pack_features
+from draftline.objective import block_loss, position_weights
+
+# Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), TFLOP/s.
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "B200": 2250.0,
+    "RTX PRO 6000": 503.8,
+    "A100": 312.0,
+}
+
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "target_layer_ids": [1, 9, 17, 25, 33],
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1024,
+    "target_layer_ids": [1, 2, 3, 4, 5],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    p.add_argument("--extract-tokens", type=int, default=400_000, help="tokens to extract")
+    p.add_argument("--tokens-per-batch", type=int, default=32768)
+    p.add_argument("--train-seq-len", type=int, default=3072)
+    p.add_argument("--train-batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--train-steps", type=int, default=12, help="timed steps after 2 warm-up")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--peak-tflops", type=float, help="override the GPU's bf16 peak")
+    p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.extract_tokens = min(args.extract_tokens, 4000)
+        args.tokens_per_batch = min(args.tokens_per_batch, 1024)
+        args.train_seq_len = min(args.train_seq_len, 256)
+        args.train_batch, args.train_steps = min(args.train_batch, 2), min(args.train_steps, 2)
+        args.anchors, args.block = min(args.anchors, 16), min(args.block, 8)
+        args.drafter_layers = min(args.drafter_layers, 1)
+    return args
+
+
+def peak_flops(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    if override:
+        return override * 1e12, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "CPU: no peak table"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key.lower() in name.lower():
+            return tflops * 1e12, f"{key} dense bf16 datasheet peak"
+    return None, f"unknown GPU {name!r}: pass --peak-tflops"
+
+
+def make_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **{k: v for k, v in shape.items() if k != "target_layer_ids"},
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise in the run dtype: no fp32 copy of 8B weights
+    try:
+        with device:
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
+def long_tailed_rows(total_tokens: int, vocab: int, max_len: int) -> list[list[int]]:
+    """Log-normal lengths (median ~1/8 of max_len), sorted as the extract stage sorts a pack."""
+    gen = torch.Generator().manual_seed(1)
+    rows: list[list[int]] = []
+    count = 0
+    while count < total_tokens:
+        n = int(
+            min(max_len, max(16, float(torch.exp(torch.randn(1, generator=gen)) * max_len / 8)))
+        )
+        rows.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
+        count += n
+    return sorted(rows, key=len)
+
+
+def target_forward_flops(shape: dict[str, Any], lengths: list[int]) -> float:
+    """Matmul FLOPs of the target forward up to the last target layer (causal attention)."""
+    h, hd = shape["hidden_size"], shape["head_dim"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    layers = max(shape["target_layer_ids"]) + 1
+    per_token = 2 * (h * hd * (2 * heads + 2 * kv) + 3 * h * shape["intermediate_size"])
+    tokens = sum(lengths)
+    attention = sum(2 * 2 * heads * hd * n * (n + 1) / 2 for n in lengths)
+    return layers * (per_token * tokens + attention)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_extraction(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
+    rows = long_tailed_rows(
+        args.extract_tokens, shape["vocab_size"], 4096 if not args.tiny else 256
+    )
+    warm = rows[-4:]
+    pack_features(model, warm, shape["target_layer_ids"], args.tokens_per_batch, device)
+    synchronize(device)
+    began = time.perf_counter()
+    feats, padded = pack_features(
+        model, rows, shape["target_layer_ids"], args.tokens_per_batch, device
+    )
+    synchronize(device)
+    seconds = time.perf_counter() - began
+    tokens = sum(len(r) for r in rows)
+    return {
+        "sequences": len(rows),
+        "tokens": tokens,
+        "padded_tokens": padded,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "flops": target_forward_flops(shape, [len(r) for r in rows]),
+        "feature_bytes_per_token": feats.element_size() * feats.shape[-1],
+    }
+
+
+def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
+    config = DFlashConfig(
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=args.drafter_layers,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        block_size=args.block,
+        mask_token_id=shape["vocab_size"] - 1,
+        target_layer_ids=list(shape["target_layer_ids"]),
+        num_target_layers=shape["num_hidden_layers"],
+    )
+    head = TargetHead.from_model(model)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, head).to(device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=device.type == "cuda")
+    b, t, n, s = args.train_batch, args.train_seq_len, args.anchors, args.block
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, shape["vocab_size"] - 1, (b, t), generator=gen)
+    features = torch.cat(
+        [
+            pack_features(model, [row.tolist()], config.target_layer_ids, t, device)[0][None]
+            for row in ids
+        ]
+    ).to(device)
+    anchors = torch.stack(
+        [torch.randperm(t - s, generator=gen)[:n].sort().values + 1 for _ in range(b)]
+    )
+    block_ids = torch.full((b, n, s), config.mask_token_id)
+    block_ids[..., 0] = ids.gather(1, anchors)
+    labels = ids.gather(1, (anchors[..., None] + torch.arange(s)).flatten(1)).view(b, n, s)
+    weights = position_weights(s, 7.0).expand(b, n, s).contiguous()
+    batch = [x.to(device) for x in (block_ids, anchors, labels, weights)]
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+    def step() -> float:
+        with autocast:
+            hidden = drafter(features, batch[0], batch[1])
+            parts = block_loss(hidden, head.lm_head_weight, batch[2], batch[3])
+            loss = parts.weighted_ce / batch[3].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    for _ in range(2):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    began = time.perf_counter()
+    losses = [step() for _ in range(args.train_steps)]
+    synchronize(device)
+    seconds = time.perf_counter() - began
+    block_tokens = b * n * s * args.train_steps
+    # Mean context a block attends to: anchors are uniform over the sequence, so ~t/2.
+    flops = 3 * block_tokens * flops_per_block_token(config, t / 2)
+    return {
+        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+        "steps": args.train_steps,
+        "seconds": seconds,
+        "sequence_tokens_per_s": b * t * args.train_steps / seconds,
+        "block_tokens_per_s": block_tokens / seconds,
+        "flops": flops,
+        "loss_first_last": [losses[0], losses[-1]],
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda and not args.tiny:
+        raise SystemExit("no CUDA GPU visible: run on a GPU node, or pass --tiny for a CPU smoke")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = TINY if args.tiny else QWEN3_8B
+    peak, peak_source = peak_flops(device, args.peak_tflops)
+    began = time.perf_counter()
+    model = make_target(shape, device, dtype)
+    setup_s = time.perf_counter() - began
+    extraction = check_extraction(model, shape, args, device)
+    training = check_training(model, shape, args, device)
+    for part in (extraction, training):
+        part["achieved_tflops"] = part["flops"] / part["seconds"] / 1e12
+        part["mfu"] = part["flops"] / part["seconds"] / peak if peak else None
+    report = {
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "shape": "tiny" if args.tiny else "qwen3-8b",
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "setup_s": setup_s,
+        "extraction": extraction,
+        "training": training,
+        "total_s": time.perf_counter() - began,
+    }
+    mfu = lambda p: f"{p['mfu']:.1%}" if p["mfu"] is not None else "n/a"  # noqa: E731
+    print(f"{report['device']} ({report['shape']}, torch {report['torch']}; peak: {peak_source})")
+    print(
+        f"  extraction: {extraction['tokens_per_s']:,.0f} tok/s over {extraction['tokens']:,} "
+        f"tokens, {extraction['achieved_tflops']:.1f} TFLOP/s, MFU {mfu(extraction)}"
+    )
+    print(
+        f"  training:   {training['sequence_tokens_per_s']:,.0f} seq tok/s "
+        f"({training['block_tokens_per_s']:,.0f} block tok/s), "
+        f"{training['achieved_tflops']:.1f} TFLOP/s, MFU {mfu(training)}"
+    )
+    print(f"  total {report['total_s']:.0f} s")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

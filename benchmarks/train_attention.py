@@ -1,0 +1,192 @@
+"""Benchmark: the drafter's block-wise training attention against a dense-mask formulation.
+
+One training step (drafter forward, weighted block loss, backward) on one sequence of
+--seq tokens with --anchors blocks of --block tokens, CPU, 2 threads, run twice in the same
+invocation: with `block_prefix_attention` (each chunk of blocks sees the context up to its
+largest anchor plus its own blocks) and with `dense_block_attention` (one SDPA over
+[context ; all blocks] with a dense [N*B, T + N*B] mask, the SpecForge-style formulation).
+Both are the same math: the outputs and gradients are compared in this process; speed and
+peak memory are measured in one fresh subprocess per formulation so neither inherits the
+other's allocations.
+
+    python benchmarks/train_attention.py [--seq 2048] [--anchors 256] [--block 16] [--json out]
+
+Reports training tokens/s (sequence tokens per second of step time), the step's peak RSS
+above the process's resident size before it, and the ratios blockwise / dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peak_memory import peak_bytes, reset_peak, rss_bytes
+
+from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.objective import block_loss, position_weights
+
+IMPLEMENTATIONS = ("blockwise", "dense")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--anchors", type=int, default=256)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    # A narrow Qwen3-style drafter layer: attention dominates, as it does at seq 2048.
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_case(args: argparse.Namespace) -> tuple[DFlashDrafter, dict[str, torch.Tensor]]:
+    """A seeded drafter and one micro-batch: features, blocks, sorted anchors, labels, weights."""
+    torch.manual_seed(0)
+    k = 5
+    config = DFlashConfig(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        intermediate_size=3 * args.hidden,
+        vocab_size=args.vocab,
+        block_size=args.block,
+        mask_token_id=args.vocab - 1,
+        target_layer_ids=list(range(k)),
+        num_target_layers=k + 3,
+    )
+    head = TargetHead(
+        torch.randn(args.vocab, args.hidden) * 0.02, torch.randn(args.vocab, args.hidden) * 0.02
+    )
+    drafter = DFlashDrafter(config, head)
+    b, t, n, s = args.batch, args.seq, args.anchors, args.block
+    anchors = torch.stack([torch.randperm(t - s)[:n].sort().values + 1 for _ in range(b)])
+    block_ids = torch.randint(0, args.vocab - 1, (b, n, s))
+    block_ids[..., 1:] = config.mask_token_id
+    case = {
+        "features": torch.randn(b, t, k * args.hidden),
+        "block_ids": block_ids,
+        "anchors": anchors,
+        "labels": torch.randint(0, args.vocab - 1, (b, n, s)),
+        "weights": position_weights(s, 7.0).expand(b, n, s).contiguous(),
+    }
+    return drafter, case
+
+
+def train_step(drafter: DFlashDrafter, case: dict[str, torch.Tensor], impl: str) -> torch.Tensor:
+    """Forward, loss, backward; returns the drafter's final hidden states (detached)."""
+    drafter.attention_implementation = impl
+    drafter.zero_grad(set_to_none=True)
+    hidden = drafter(case["features"], case["block_ids"], case["anchors"])
+    parts = block_loss(hidden, drafter.target.lm_head_weight, case["labels"], case["weights"])
+    (parts.weighted_ce / case["weights"].sum()).backward()
+    return hidden.detach()
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Time and measure one formulation in this (fresh) process."""
+    torch.set_num_threads(args.threads)
+    drafter, case = make_case(args)
+    before = rss_bytes()
+    reset_peak()
+    train_step(drafter, case, args.worker)  # warm-up; also sets the peak
+    times = []
+    for _ in range(args.steps):
+        began = time.perf_counter()
+        train_step(drafter, case, args.worker)
+        times.append(time.perf_counter() - began)
+    peak = peak_bytes()
+    step_s = statistics.median(times)
+    return {
+        "implementation": args.worker,
+        "step_s": step_s,
+        "tokens_per_s": args.batch * args.seq / step_s,
+        "peak_step_bytes": peak - before,
+    }
+
+
+def compare_outputs(args: argparse.Namespace) -> dict[str, float]:
+    """Max differences between the formulations' outputs and gradients on the same case."""
+    torch.set_num_threads(args.threads)
+    drafter, case = make_case(args)
+    out = {}
+    grads = {}
+    for impl in IMPLEMENTATIONS:
+        out[impl] = train_step(drafter, case, impl)
+        grads[impl] = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    block, dense = grads["blockwise"], grads["dense"]
+    grad_rel = max(float((block[n] - dense[n]).abs().max() / dense[n].abs().max()) for n in dense)
+    return {
+        "hidden_max_abs_diff": float((out["blockwise"] - out["dense"]).abs().max()),
+        "hidden_max_abs": float(out["dense"].abs().max()),
+        "grad_max_rel_diff": grad_rel,
+    }
+
+
+def run_worker(argv: list[str], impl: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, *argv, "--worker", impl]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    case_options = ("seq", "anchors", "block", "batch", "hidden", "heads", "kv_heads", "layers")
+    forwarded = [
+        x
+        for name in (*case_options, "vocab", "steps", "threads")
+        for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
+    ]
+    equal = compare_outputs(args)
+    runs = {impl: run_worker(forwarded, impl) for impl in IMPLEMENTATIONS}
+    block, dense = runs["blockwise"], runs["dense"]
+    report = {
+        "case": {k: getattr(args, k) for k in ("seq", "anchors", "block", "batch", "hidden")},
+        "equality": equal,
+        "outputs_equal": equal["hidden_max_abs_diff"] <= 1e-4 * max(1.0, equal["hidden_max_abs"])
+        and equal["grad_max_rel_diff"] <= 1e-3,
+        "runs": runs,
+        "tokens_per_s_ratio": block["tokens_per_s"] / dense["tokens_per_s"],
+        "peak_memory_ratio": block["peak_step_bytes"] / dense["peak_step_bytes"],
+    }
+    print(f"case: {report['case']}")
+    for impl, r in runs.items():
+        print(
+            f"  {impl:9s} step {r['step_s']:7.3f} s  {r['tokens_per_s']:9.0f} tok/s  "
+            f"peak +{r['peak_step_bytes'] / 2**20:8.1f} MiB"
+        )
+    print(
+        f"blockwise/dense: tokens/s x{report['tokens_per_s_ratio']:.2f}, "
+        f"peak memory x{report['peak_memory_ratio']:.3f}"
+    )
+    print(
+        f"outputs equal: {report['outputs_equal']} (hidden max |diff| "
+        f"{equal['hidden_max_abs_diff']:.2e}, grads max rel diff {equal['grad_max_rel_diff']:.2e})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0 if report["outputs_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

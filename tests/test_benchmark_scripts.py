@@ -1,0 +1,76 @@
+"""The benchmark scripts run, and their built-in equality checks hold, on shapes small enough
+for CI. Speed figures are not judged here (benchmarks report them); only the math and the
+scripts' own pass/fail logic are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, out_flag: str = "--json", tmp_path: Path) -> dict:
+    """Run benchmarks/<name>.py; it must exit 0 (its own checks pass) and write its JSON."""
+    out = tmp_path / f"{name}.json"
+    script = REPO / "benchmarks" / f"{name}.py"
+    cmd = [sys.executable, str(script), *args, out_flag, str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def test_blockwise_and_dense_training_attention_agree(tmp_path: Path) -> None:
+    report = run_script(
+        "train_attention",
+        "--seq",
+        "384",
+        "--anchors",
+        "48",
+        "--block",
+        "8",
+        "--steps",
+        "1",
+        tmp_path=tmp_path,
+    )
+    assert report["outputs_equal"] is True
+    assert report["equality"]["hidden_max_abs_diff"] < 1e-4
+    assert report["equality"]["grad_max_rel_diff"] < 1e-3
+    for run in report["runs"].values():
+        assert run["tokens_per_s"] > 0 and run["peak_step_bytes"] > 0
+
+
+def test_extraction_equals_the_naive_reference(tmp_path: Path) -> None:
+    report = run_script(
+        "extract_vs_naive",
+        "--sequences",
+        "12",
+        "--layers",
+        "8",
+        "--median-len",
+        "48",
+        "--max-len",
+        "320",
+        "--vocab",
+        "4096",
+        "--tokens-per-batch",
+        "1024",
+        tmp_path=tmp_path,
+    )
+    assert report["features_equal"] is True
+    assert report["layer_ids"] == [1, 2, 3, 4, 5]  # round(1 + i*(L-4)/(K-1))
+    ours, naive = report["runs"]["draftline"], report["runs"]["naive"]
+    assert ours["tokens"] == naive["tokens"] > 0
+    # Both keep K=5 layers per token: draftline as bf16, the naive one as the model's fp32.
+    assert ours["feature_bytes"] * 2 == naive["feature_bytes"]
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
+    report = run_script("gpu_check", "--tiny", out_flag="--out", tmp_path=tmp_path)
+    assert report["shape"] == "tiny"
+    assert report["extraction"]["tokens"] >= 4000
+    assert report["extraction"]["tokens_per_s"] > 0
+    assert report["training"]["sequence_tokens_per_s"] > 0
+    assert all(x == x for x in report["training"]["loss_first_last"])  # finite, not NaN
