@@ -133,6 +133,28 @@ def test_journal_of_another_sampling_is_set_aside(tmp_path):
     j.close()
 
 
+def test_journal_of_another_chat_template_is_set_aside(tmp_path):
+    """Fixing a broken template (same model, kwargs and sampling) must not resume its samples."""
+    from draftline.engines.base import Sampling
+    from draftline.generation import Identity
+
+    sampling = Sampling(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
+    before, after = (
+        Identity("m", {"enable_thinking": True}, sampling, chat_template_sha256=h).as_dict()
+        for h in ("a" * 64, "b" * 64)
+    )
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, before)
+    j.open()
+    j.append([Result("a", [1], "stop")])
+    j.close()
+    assert Journal(path, before).open() == {"a": Result("a", [1], "stop")}
+    j = Journal(path, after)
+    assert j.open() == {}
+    assert j.discarded is not None and j.discarded.exists()
+    j.close()
+
+
 def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_path, model_dir):
     server = StandIn(tmp_path, "--delay", "0.4")
     ids = make_workdir(tmp_path, model_dir, n=30, hardware=sglang_hardware(server.port, 8),

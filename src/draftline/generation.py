@@ -70,11 +70,14 @@ class Identity:
     model: str
     template_kwargs: dict[str, Any]
     sampling: Sampling
+    # The template itself, so fixing a broken one never resumes the samples it produced.
+    chat_template_sha256: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "chat_template_kwargs": self.template_kwargs,
+            "chat_template_sha256": self.chat_template_sha256,
             "sampling": self.sampling.as_dict(),
         }
 
@@ -148,7 +151,10 @@ def run_shard(
         i: r for i, r in journal.open().items() if i in prompts and r.finish_reason != "error"
     }
     if journal.discarded:
-        print(f"{paths.name}: journal of another model/sampling moved to {journal.discarded}")
+        print(
+            f"{paths.name}: journal of another model, chat template or sampling moved to "
+            f"{journal.discarded}"
+        )
     rows: dict[str, dict[str, Any]] = {}
     for sample_id, result in finished.items():
         rows[sample_id] = build_row(sample_id, prompts[sample_id], result, special, tokenizer, labels)

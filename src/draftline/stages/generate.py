@@ -13,6 +13,7 @@ A killed run resumes from `.draftline/journal/generate/`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         model=target.model_ref(model),
         template_kwargs=dict(model.get("chat_template_kwargs") or {}),
         sampling=sampling,
+        chat_template_sha256=hashlib.sha256(
+            str(tokenizer.chat_template or "").encode("utf-8")
+        ).hexdigest(),
     )
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
     extra = dict(hardware.describe(profile))
