@@ -1,0 +1,683 @@
+"""The curate library and stage on small synthetic inputs written in tmp_path, with the real tiny
+target tokenizer (models/tiny-target): every input format and container, normalisation, ids,
+dedupe, every reject reason, the reject-rate failure, byte-identical reruns, stable splits, and
+the fast rendering/counting paths against the chat template and the tokenizer themselves."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from draftline import curation
+from draftline.conversations import REASONS, normalise, read_rows
+from draftline.curation import (
+    ByteLevelTokenCounter,
+    CurateSettings,
+    PromptTokenCounter,
+    conversation_id,
+    curate,
+)
+from draftline.stages import curate as stage
+from draftline.target import load_tokenizer, prompt_ids, render_prompt
+
+BUDGET = 256
+THINKING = {"enable_thinking": True}
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_target_dir: Path) -> Any:
+    return load_tokenizer({"path": str(tiny_target_dir)})
+
+
+@pytest.fixture(scope="session")
+def counter(tokenizer: Any) -> PromptTokenCounter:
+    return _default_counter()
+
+
+def settings(**overrides: Any) -> CurateSettings:
+    values: dict[str, Any] = {
+        "max_prompt_tokens": BUDGET,
+        "eval_fraction": 0.2,
+        "num_shards": 3,
+        "split_seed": "test",
+        "workers": 0,
+    }
+    return CurateSettings(**{**values, **overrides})
+
+
+def write_rows(path: Path, rows: list[Any], gz: bool = False) -> Path:
+    """Rows as the file's suffix says (.jsonl/.json/.parquet); str rows are JSONL lines as-is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+    elif path.suffix == ".json":
+        data = json.dumps(rows).encode()
+    else:
+        # Every row gets every column (null where it has none), as in a file of mixed rows.
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), sink)
+        data = sink.getvalue().to_pybytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        data = gzip.compress(data, mtime=0)
+    path.write_bytes(data)
+    return path
+
+
+def run(sources: list[Path], out: Path, **overrides: Any) -> curation.CurateResult:
+    counter = overrides.pop("counter", None) or _default_counter()
+    return curate([str(s) for s in sources], out, counter, settings(**overrides), progress=False)
+
+
+_COUNTER: list[PromptTokenCounter] = []
+
+
+def _default_counter() -> PromptTokenCounter:
+    if not _COUNTER:
+        path = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
+        _COUNTER.append(PromptTokenCounter(load_tokenizer({"path": str(path)}), THINKING, BUDGET))
+    return _COUNTER[0]
+
+
+def kept_rows(out: Path) -> list[dict[str, Any]]:
+    tables = [pq.read_table(p) for p in sorted((out / "train").glob("*.parquet"))]
+    tables.append(pq.read_table(out / "eval.parquet"))
+    return [row for t in tables for row in t.to_pylist()]
+
+
+def rejected_rows(out: Path) -> list[dict[str, Any]]:
+    return pq.read_table(out / "rejected.parquet").to_pylist()
+
+
+def msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+# One conversation per style, with what it normalises to.
+EXPECTED = [
+    [msg("system", "Be brief."), msg("user", "Hi there"), msg("assistant", "Hello!"),
+     msg("user", "What is 2+2?")],
+    [msg("user", "Translate 'chat' to English.")],
+    [msg("system", "You are terse."), msg("user", "Name a colour.")],
+]  # fmt: skip
+
+
+def style_rows(style: str) -> list[dict[str, Any]]:
+    """EXPECTED written in one input style, with whitespace, odd role names and a reply after
+    the last user turn (dropped)."""
+    if style == "sharegpt":
+        return [
+            {
+                "id": "a",
+                "conversations": [
+                    {"from": "system", "value": " Be brief. "},
+                    {"from": "human", "value": "Hi there\n"},
+                    {"from": "gpt", "value": "Hello!"},
+                    {"from": "Human", "value": "What is 2+2?"},
+                    {"from": "gpt", "value": "4"},
+                ],
+            },
+            {"id": "b",
+             "conversations": [{"from": "USER", "value": "Translate 'chat' to English."}]},
+            {"id": "c", "system": "You are terse.", "conversations": [
+                {"from": "human", "value": "Name a colour."},
+                {"from": "chatgpt", "value": "Red."}]},
+        ]  # fmt: skip
+    if style == "openai":
+        return [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                 {"type": "text", "text": "there"}]},
+                    {"role": "assistant", "content": " Hello! "},
+                    {"role": "user", "content": "What is 2+2?"},
+                ]
+            },
+            {"messages": [{"role": "user", "content": "Translate 'chat' to English."},
+                          {"role": "assistant", "content": None}]},
+            {"messages": [{"role": "system", "content": "You are terse."},
+                          {"role": "User", "content": "Name a colour."},
+                          {"role": "model", "content": "Red."}]},
+        ]  # fmt: skip
+    # {prompt} rows: a single user turn, optional system.
+    return [
+        {"prompt": "Translate 'chat' to English."},
+        {"prompt": "  Name a colour.  ", "system": "You are terse."},
+    ]
+
+
+def style_expected(style: str) -> list[list[dict[str, str]]]:
+    return EXPECTED[1:] if style == "prompt" else EXPECTED
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats, normalisation, ids.
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("container", ["jsonl", "json", "parquet"])
+@pytest.mark.parametrize("style", ["sharegpt", "openai", "prompt"])
+def test_every_format_from_a_file_and_from_a_folder(tmp_path, style, container, gz):
+    rows = style_rows(style)
+    if container == "parquet" and style == "openai":
+        # A Parquet column has one type: text parts there, plain strings nowhere.
+        for row in rows:
+            for m in row["messages"]:
+                if not isinstance(m["content"], list):
+                    m["content"] = [{"type": "text", "text": m["content"] or ""}]
+    path = write_rows(tmp_path / "in" / "sub" / f"rows.{container}", rows, gz)
+    expected = sorted(style_expected(style), key=conversation_id)
+    for name, source in (("file", path), ("folder", tmp_path / "in")):
+        out = tmp_path / f"out-{name}"
+        result = run([source], out)
+        rows = sorted(kept_rows(out), key=lambda r: r["id"])
+        assert [r["messages"] for r in rows] == expected, name
+        assert [r["id"] for r in rows] == [conversation_id(m) for m in expected]
+        assert all(r["source"] == path.as_posix() for r in rows)
+        assert all(r["num_turns"] == len(r["messages"]) for r in rows)
+        assert result.rows_read == len(expected) and result.rows_rejected == 0
+        assert rejected_rows(out) == []
+
+
+def test_folder_skips_other_files_and_reads_in_sorted_order(tmp_path):
+    write_rows(tmp_path / "in" / "b.jsonl", [{"prompt": "second file"}])
+    write_rows(tmp_path / "in" / "a" / "x.json", [{"prompt": "first file"}])
+    (tmp_path / "in" / "notes.txt").write_text("not rows")
+    result = run([tmp_path / "in"], tmp_path / "out")
+    assert result.files == 2
+    assert result.files_skipped == [(tmp_path / "in" / "notes.txt").as_posix()]
+    # A missing source, or a named file of another type, is a configuration error.
+    with pytest.raises(SystemExit, match="does not exist"):
+        run([tmp_path / "missing"], tmp_path / "out2")
+    with pytest.raises(SystemExit, match="not a .jsonl"):
+        run([tmp_path / "in" / "notes.txt"], tmp_path / "out3")
+
+
+def test_role_names_normalise():
+    aliases = {
+        "user": ["user", "human", "Human", " USER "],
+        "assistant": ["assistant", "gpt", "chatgpt", "bard", "model", "bing", "claude", "AI",
+                      "bot", "GPT"],
+    }  # fmt: skip
+    for role, names in aliases.items():
+        for name in names:
+            turns = [{"from": "human", "value": "q"}, {"from": name, "value": "a"}]
+            turns.append({"from": "human", "value": "q2"})
+            if role == "user":
+                turns = [{"from": name, "value": "q"}]
+            got = normalise({"conversations": turns})
+            assert isinstance(got, list), (name, got)
+            assert got[0] == msg("user", "q") and (role == "user" or got[1]["role"] == role)
+    # Either key pair works in either format: datasets mix them.
+    mixed = {"conversations": [{"role": "user", "content": "q"}]}
+    assert normalise(mixed) == [msg("user", "q")]
+    mixed = {"messages": [{"from": "human", "value": "q"}]}
+    assert normalise(mixed) == [msg("user", "q")]
+    # A Parquet file of mixed rows has null columns: a null key counts as absent.
+    assert normalise({"conversations": None, "messages": [msg("user", "q")]}) == [msg("user", "q")]
+
+
+def test_keeps_the_prefix_that_ends_in_the_last_user_turn():
+    row = {
+        "system": "Sys.",
+        "conversations": [
+            {"from": "human", "value": "one"},
+            {"from": "gpt", "value": "<think>\nhm\n</think>\n\nuno"},
+            {"from": "human", "value": "two"},
+            {"from": "gpt", "value": "dos"},
+            {"from": "gpt", "value": ""},  # after the last user turn: dropped, not an empty turn
+        ],
+    }
+    assert normalise(row) == [
+        msg("system", "Sys."),
+        msg("user", "one"),
+        msg("assistant", "<think>\nhm\n</think>\n\nuno"),
+        msg("user", "two"),
+    ]
+    # An empty system prompt says nothing and is dropped; a system turn in the messages counts.
+    assert normalise({"system": "  ", "prompt": "p"}) == [msg("user", "p")]
+    assert normalise({"messages": [msg("system", ""), msg("user", "p")]}) == [msg("user", "p")]
+
+
+def test_id_is_the_hash_of_the_normalised_messages(tmp_path):
+    messages = [msg("system", "Système ✓"), msg("user", "Hi 中文"), msg("assistant", "Yo"),
+                msg("user", "Bye")]  # fmt: skip
+    canonical = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert conversation_id(messages) == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    # The same conversation in another style, with other whitespace, is the same row.
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "Système ✓\n"},
+            {"from": "human", "value": " Hi 中文"},
+            {"from": "gpt", "value": "Yo"},
+            {"from": "human", "value": "Bye"},
+        ]
+    }
+    openai = {"messages": [*messages, msg("assistant", "a reply, dropped")]}  # fmt: skip
+    a = write_rows(tmp_path / "in" / "a.jsonl", [sharegpt])
+    write_rows(tmp_path / "in" / "b.parquet", [openai])
+    result = run([tmp_path / "in"], tmp_path / "out")
+    [kept] = kept_rows(tmp_path / "out")
+    assert kept["id"] == conversation_id(messages) and kept["source"] == a.as_posix()
+    [dup] = rejected_rows(tmp_path / "out")
+    assert dup["reason"] == "duplicate"
+    assert dup["detail"] == f"id {kept['id']}, first at {a.as_posix()}:1"
+    assert result.rows_kept == 1 and result.rejected == {"duplicate": 1}
+
+
+def test_dedupe_keeps_the_first_occurrence_across_chunks_and_files(tmp_path):
+    rows = [{"prompt": f"question {i % 7}"} for i in range(30)]
+    first = write_rows(tmp_path / "in" / "1.jsonl", rows)
+    write_rows(tmp_path / "in" / "2.json", rows[:5])
+    result = run([tmp_path / "in"], tmp_path / "out", chunk_rows=4)
+    kept = kept_rows(tmp_path / "out")
+    assert len(kept) == 7 and {r["source"] for r in kept} == {first.as_posix()}
+    rejected = rejected_rows(tmp_path / "out")
+    assert result.rejected == {"duplicate": 28} and len(rejected) == 28
+    # Each duplicate names the line of its first occurrence.
+    for row in rejected:
+        index = json.loads(row["raw"])["prompt"].split()[-1]
+        assert row["detail"].endswith(f"first at {first.as_posix()}:{int(index) + 1}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejections.
+
+
+def bad_rows_by_reason() -> dict[str, list[str]]:
+    """JSONL lines that each fail for one reason, for every reason curation defines."""
+    long_words = " ".join(["word"] * 300)  # ~300 tokens: just over the budget, counted exactly
+    return {
+        "malformed_json": ['{"conversations": [{"from": "human", "value": "unterminated',
+                           "{'single': 'quotes'}", "\xff\xfe not utf-8 text"],
+        "unknown_format": ["[1, 2, 3]", '"a string"', '{"text": "no known key"}',
+                           '{"conversations": "not a list"}',
+                           '{"messages": [{"role": "user", "content": {"x": 1}}]}',
+                           '{"prompt": "p", "system": 7}'],
+        "unknown_role": ['{"conversations": [{"from": "narrator", "value": "Once"}]}',
+                         '{"messages": [{"role": null, "content": "x"}]}'],
+        "empty_turn": ['{"conversations": [{"from": "human", "value": "   "}]}',
+                       '{"messages": [{"role": "user", "content": "q"}, '
+                       '{"role": "assistant", "content": ""}, {"role": "user", "content": "q"}]}'],
+        "broken_alternation": ['{"messages": [{"role": "user", "content": "a"}, '
+                               '{"role": "user", "content": "b"}]}',
+                               '{"messages": [{"role": "user", "content": "a"}, '
+                               '{"role": "system", "content": "late"}, '
+                               '{"role": "user", "content": "b"}]}'],
+        "no_user_turn": ['{"conversations": [{"from": "gpt", "value": "unprompted"}]}',
+                         '{"system": "only a system prompt", "messages": []}'],
+        "duplicate": ['{"prompt": "a good row"}'],
+        "prompt_too_long": [json.dumps({"prompt": long_words}),
+                            json.dumps({"prompt": " ".join(["far"] * 5000)})],
+    }  # fmt: skip
+
+
+def test_every_reject_reason_is_recorded_per_row(tmp_path):
+    bad = bad_rows_by_reason()
+    assert set(bad) == set(REASONS), "a reject reason without a test row"
+    lines = ['{"prompt": "a good row"}', '{"prompt": "another good row"}']
+    expected: list[tuple[int, str]] = []
+    for reason, rows in bad.items():
+        for row in rows:
+            lines.append(row)
+            expected.append((len(lines), reason))
+    path = tmp_path / "rows.jsonl"
+    # "\xff\xfe" is written as those two bytes: a line that is not UTF-8.
+    path.write_bytes(b"".join(line.encode("latin-1" if "\xff" in line else "utf-8") + b"\n"
+                              for line in lines))  # fmt: skip
+
+    result = run([path], tmp_path / "out", chunk_rows=5)
+    rejected = rejected_rows(tmp_path / "out")
+    assert [(r["line"], r["reason"]) for r in rejected] == expected
+    assert all(r["source"] == path.as_posix() and r["detail"] for r in rejected)
+    raw_lines = path.read_bytes().split(b"\n")
+    for row in rejected:
+        assert row["raw"] == raw_lines[row["line"] - 1].decode("utf-8", errors="replace")
+    assert result.rows_read == len(lines) and result.rows_kept == 2
+    assert result.metrics()["rejected_by_reason"] == {r: len(bad[r]) for r in REASONS}
+    details = {r["reason"]: r["detail"] for r in reversed(rejected)}  # the first of each
+    assert details["unknown_role"] == "turn 0: role 'narrator'"
+    too_long = [r["detail"] for r in rejected if r["reason"] == "prompt_too_long"]
+    prompt = json.loads(bad["prompt_too_long"][0])["prompt"]
+    n = len(prompt_ids(_default_counter().tokenizer, [msg("user", prompt)], THINKING))
+    assert too_long[0] == f"{n} tokens > data.max_prompt_tokens={BUDGET}"
+    assert too_long[1].startswith("at least ")  # counted on a prefix only
+    assert int(too_long[1].split()[2]) > BUDGET
+    # One example per reason (its first row), for the failure message.
+    assert set(result.examples) == set(REASONS)
+    first_line = {reason: line for line, reason in reversed(expected)}
+    assert {r: e["line"] for r, e in result.examples.items()} == first_line
+
+
+def test_broken_files_are_rejected_rows_not_crashes(tmp_path):
+    folder = tmp_path / "in"
+    good = [{"prompt": f"good {i}"} for i in range(20)]
+    # A gzip stream cut short: the rows before the cut are kept, the rest is one rejected row.
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in good).encode(), mtime=0)
+    (folder).mkdir()
+    (folder / "cut.jsonl.gz").write_bytes(whole[: len(whole) * 2 // 3])
+    (folder / "garbage.parquet").write_bytes(b"PAR1 this is not parquet")
+    (folder / "broken.json").write_text('[{"prompt": "a"}, {"prompt": ')
+    (folder / "garbage.json.gz").write_bytes(b"\x1f\x8b not really gzip")
+    write_rows(folder / "ok.jsonl", ["", "   ", '{"prompt": "after blank lines"}', "\x00\x01"])
+    result = run([folder], tmp_path / "out")
+    rejected = rejected_rows(tmp_path / "out")
+    by_file = {Path(r["source"]).name: (r["reason"], r["line"]) for r in rejected}
+    assert by_file["garbage.parquet"] == ("unknown_format", 1)
+    assert by_file["broken.json"][0] == "malformed_json"
+    assert by_file["garbage.json.gz"][0] == "unknown_format"
+    assert by_file["ok.jsonl"] == ("malformed_json", 4)  # blank lines are not rows
+    cut = [r for r in rejected if r["source"].endswith("cut.jsonl.gz")]
+    assert len(cut) == 1 and cut[0]["reason"] == "unknown_format"
+    assert "unreadable" in cut[0]["detail"]
+    kept_cut = [r for r in kept_rows(tmp_path / "out") if r["source"].endswith("cut.jsonl.gz")]
+    assert 0 < len(kept_cut) < 20 and cut[0]["line"] > len(kept_cut)
+    assert result.rows_read == result.rows_kept + result.rows_rejected
+    assert result.rows_kept == len(kept_cut) + 1
+
+
+def test_raw_text_of_rejected_rows_from_every_container(tmp_path):
+    row = {"conversations": [{"from": "narrator", "value": "x"}]}
+    for container in ("jsonl", "json", "parquet"):
+        write_rows(tmp_path / "in" / f"r.{container}", [row])
+    run([tmp_path / "in"], tmp_path / "out")
+    rejected = rejected_rows(tmp_path / "out")
+    assert [r["reason"] for r in rejected] == ["unknown_role"] * 3
+    assert all(json.loads(r["raw"]) == row for r in rejected)
+    # read_rows (row by row) gives the same raw text as curate's batches.
+    for path in sorted((tmp_path / "in").iterdir()):
+        [raw_row] = read_rows(path)
+        assert json.loads(raw_row.raw_text()) == row
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage: threshold, determinism.
+
+
+def write_params(root: Path, tiny_target_dir: Path, sources: list[Path], **data: Any) -> Path:
+    params = {
+        "model": {"path": str(tiny_target_dir), "revision": None,
+                  "chat_template_kwargs": THINKING},
+        "data": {"sources": [str(s) for s in sources], "eval_fraction": 0.2, "num_shards": 3,
+                 "shard_ids": [0, 1, 2], "max_prompt_tokens": BUDGET, "max_reject_rate": 0.25,
+                 "split_seed": "test", **data},
+        "hardware": {"name": "cpu", "engine": "local", "precision": "fp32"},
+    }  # fmt: skip
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def stage_args(params: Path, out: Path, metrics: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    stage.add_arguments(parser)
+    return parser.parse_args(
+        ["--params", str(params), "--out", str(out), "--metrics", str(metrics), "--no-progress"]
+    )
+
+
+def mixed_input(folder: Path, good: int, bad: int) -> None:
+    rng = random.Random(0)
+    rows: list[Any] = []
+    for i in range(good):
+        turns = [{"from": "human", "value": f"Question {i}: {rng.random():.6f}?"}]
+        if i % 3 == 0:
+            turns += [{"from": "gpt", "value": "<think>\nok\n</think>\n\nSure."},
+                      {"from": "human", "value": "Again, in Français ✓"}]  # fmt: skip
+        rows.append({"conversations": turns})
+    for i in range(bad):
+        rows.insert(rng.randrange(len(rows) + 1), f'{{"broken": {i}')
+    write_rows(folder / "a.jsonl", rows[: len(rows) // 2])
+    write_rows(folder / "b.jsonl", rows[len(rows) // 2 :], gz=True)
+    write_rows(
+        folder / "c.parquet", [{"messages": [msg("user", f"parquet {i}")]} for i in range(9)]
+    )
+
+
+def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_target_dir, capsys):
+    mixed_input(tmp_path / "in", good=20, bad=15)
+    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.25)
+    out, metrics_path = tmp_path / "data" / "curated", tmp_path / "metrics" / "curate.json"
+    assert stage.run(stage_args(params, out, metrics_path)) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: 15 of 44 rows rejected (34.1%), over data.max_reject_rate=25.0%" in err
+    # Tables and metrics are written anyway, so the rejected rows can be read.
+    rejected = rejected_rows(out)
+    assert len(rejected) == 15
+    example = rejected[0]
+    assert (
+        f"malformed_json: 15 rows, e.g. {example['source']}:{example['line']}: "
+        f"{example['detail']}\n      {example['raw']}" in err
+    )
+    assert f"{out}/rejected.parquet" in err and "data.max_reject_rate" in err
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["rows_rejected"] == 15 and metrics["rejected_by_reason"]["malformed_json"] == 15
+
+    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.5)
+    assert stage.run(stage_args(params, out, metrics_path)) == 0
+    assert "FAILED" not in capsys.readouterr().err
+
+
+def test_two_runs_give_byte_identical_outputs(tmp_path, tiny_target_dir):
+    mixed_input(tmp_path / "in", good=60, bad=5)
+    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"])
+    outputs = []
+    for name in ("one", "two"):
+        out, metrics = tmp_path / name / "curated", tmp_path / name / "curate.json"
+        assert stage.run(stage_args(params, out, metrics)) == 0
+        outputs.append(out)
+    files = sorted(p.relative_to(outputs[0]) for p in outputs[0].rglob("*") if p.is_file())
+    assert [f.as_posix() for f in files] == [
+        "eval.parquet", "rejected.parquet", "train/shard-0.parquet", "train/shard-1.parquet",
+        "train/shard-2.parquet",
+    ]  # fmt: skip
+    for f in files:
+        assert (outputs[0] / f).read_bytes() == (outputs[1] / f).read_bytes(), f
+    assert (tmp_path / "one" / "curate.json").read_bytes() == (
+        tmp_path / "two" / "curate.json"
+    ).read_bytes()
+    # Curated tables are sorted by id; every row is in the shard its id says.
+    for shard in range(3):
+        table = pq.read_table(outputs[0] / "train" / f"shard-{shard}.parquet")
+        ids = table.column("id").to_pylist()
+        assert ids == sorted(ids) and set(table.column("shard").to_pylist()) <= {shard}
+
+
+def test_chunk_size_and_worker_processes_do_not_change_a_byte(tmp_path):
+    mixed_input(tmp_path / "in", good=80, bad=6)
+    write_rows(tmp_path / "in" / "d.jsonl", ['{"prompt": "Question 1"}'] * 3)  # duplicates
+    outs = {
+        "inline": run([tmp_path / "in"], tmp_path / "inline"),
+        "small-chunks": run([tmp_path / "in"], tmp_path / "small-chunks", chunk_rows=7),
+        "two-workers": run([tmp_path / "in"], tmp_path / "two-workers", chunk_rows=16, workers=2),
+    }
+    assert outs["two-workers"].workers == 2
+    metrics = {name: r.metrics() for name, r in outs.items()}
+    assert metrics["inline"] == metrics["small-chunks"] == metrics["two-workers"]
+    assert metrics["inline"]["rejected_by_reason"]["duplicate"] > 0
+    files = sorted(p.relative_to(tmp_path / "inline") for p in (tmp_path / "inline").rglob("*.*"))
+    for name in ("small-chunks", "two-workers"):
+        for f in files:
+            assert (tmp_path / name / f).read_bytes() == (tmp_path / "inline" / f).read_bytes()
+
+
+def test_split_and_shard_do_not_move_when_rows_are_added(tmp_path):
+    first = [{"prompt": f"original prompt {i}"} for i in range(200)]
+    write_rows(tmp_path / "v1" / "rows.jsonl", first)
+    run([tmp_path / "v1"], tmp_path / "out1")
+    before = {r["id"]: (r["split"], r["shard"]) for r in kept_rows(tmp_path / "out1")}
+    # New rows before, between and after the old ones, and a new file that sorts first.
+    added = [{"prompt": f"new prompt {i}"} for i in range(300)]
+    mixed = added[:100] + first[:100] + added[100:200] + first[100:] + added[200:250]
+    write_rows(tmp_path / "v2" / "rows.jsonl", mixed)
+    write_rows(tmp_path / "v2" / "0-first.parquet", added[250:])
+    run([tmp_path / "v2"], tmp_path / "out2", chunk_rows=64)
+    after = {r["id"]: (r["split"], r["shard"]) for r in kept_rows(tmp_path / "out2")}
+    assert len(after) == 500
+    assert {i: after[i] for i in before} == before
+    splits = [s for s, _ in after.values()]
+    assert 50 < splits.count("eval") < 150  # eval_fraction 0.2 of 500
+    assert {k for s, k in after.values() if s == "train"} == {0, 1, 2}
+    # The file a row lands in is its shard's.
+    for shard in range(3):
+        table = pq.read_table(tmp_path / "out2" / "train" / f"shard-{shard}.parquet")
+        assert all(after[i] == ("train", shard) for i in table.column("id").to_pylist())
+
+
+def test_raising_eval_fraction_only_moves_rows_from_train_to_eval():
+    ids = [conversation_id([msg("user", f"q{i}")]) for i in range(500)]
+    low = {i: curation.assign_split(i, 0.1, 4, "s") for i in ids}
+    high = {i: curation.assign_split(i, 0.3, 4, "s") for i in ids}
+    assert all(high[i] == ("eval", -1) for i in ids if low[i][0] == "eval")
+    assert all(high[i] in (low[i], ("eval", -1)) for i in ids)
+    assert sum(s == "eval" for s, _ in high.values()) > sum(s == "eval" for s, _ in low.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast paths equal the slow ones.
+
+
+def varied_conversations(seed: int, n: int) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    alphabet = ["word", "Word", "a", "7", "2024", " ", " ", " ", "  ", "   ", "\n", "\n\n",
+                "\n\n ", " \n", "\t", "\r\n", ".", ",", "'s", "'ll", "don't", "!?", "(x)", "é",
+                "Système", "中文字符", "日本語", "한국어", "🙂", "👍🏽", "\xa0", "\u3000", "\u2009",
+                "<think>", "</think>", "<|im_end|>", "<|im_start|>user", "<tool_response>",
+                "ünïcödé", "½", "٣", "\x1c", "-", "_", "http://x.io/a?b=1"]  # fmt: skip
+
+    def text(k: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, k))).strip() or "x"
+
+    conversations = []
+    for _ in range(n):
+        messages = [msg("system", text(12))] if rng.random() < 0.4 else []
+        turns = rng.choice([1, 1, 3, 5, 7])
+        for t in range(turns):
+            if t % 2 == 0:
+                messages.append(msg("user", text(60)))
+            else:
+                think = f"<think>\n{text(20)}\n</think>\n\n" if rng.random() < 0.6 else ""
+                messages.append(msg("assistant", think + text(40)))
+        conversations.append(messages)
+    return conversations
+
+
+@pytest.mark.parametrize(
+    "seed, kwargs", [(1, {"enable_thinking": True}), (2, {"enable_thinking": False}), (3, {})]
+)
+def test_fast_path_equals_the_chat_template_and_the_tokenizer(tokenizer, seed, kwargs):
+    fast = PromptTokenCounter(tokenizer, kwargs, BUDGET, prefix_chars_per_token=2)
+    slow = PromptTokenCounter(tokenizer, kwargs, BUDGET, prefix_chars_per_token=2, fast=False)
+    assert fast.formatter is not None and fast.fast_counter is not None
+    assert slow.formatter is None and slow.fast_counter is None
+    conversations = varied_conversations(seed, n=400)
+    rendered = fast.render(conversations)
+    assert rendered == slow.render(conversations)
+    assert rendered == [render_prompt(tokenizer, c, kwargs) for c in conversations]
+    history = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+    assert any(h.startswith("<think>") for h in history)
+    counts = fast.count(conversations)
+    assert counts == slow.count(conversations)
+    exact = [len(prompt_ids(tokenizer, c, kwargs)) for c in conversations]
+    for (n, is_exact), true in zip(counts, exact, strict=True):
+        assert n == true if is_exact else BUDGET < n <= true
+    assert any(not e for _, e in counts) and any(n <= BUDGET for n, _ in counts)
+
+
+def test_fast_counter_counts_every_text_exactly(counter):
+    rng = random.Random(3)
+    alphabet = [" ", " ", "  ", "\n", "\t", "\r", "\x0b", "\x0c", "a", "bc", "Z", "9", "'", "'s",
+                ".", "é", "中", "🙂", "\xa0", "\u2028", "\x1c", "\x85", "<|im_end|>", "<think>",
+                "\x00"]  # fmt: skip
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
+    expected = [len(e) for e in counter.backend.encode_batch(texts, add_special_tokens=False)]
+    assert counter.lengths(texts) == expected
+    # A text holding the hold character is left to the tokenizer, still exact.
+    assert counter.fast_counter is not None and counter.fast_counter.count("a\x00b") is None
+
+
+def test_fast_paths_are_used_only_where_they_are_known_to_be_exact(tiny_target_dir, tokenizer):
+    from tokenizers import Tokenizer, normalizers
+    from transformers import AutoTokenizer
+
+    # The tiny target's template and tokenizer are the checked kind: curate runs fast on them.
+    assert PromptTokenCounter(tokenizer, THINKING, BUDGET).formatter is not None
+    # Another template (here Qwen3's rule that a <tool_response> turn is not a query), or a
+    # template argument the formatter does not know, falls back to jinja.
+    other = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    other.chat_template = tokenizer.get_chat_template().replace(
+        "message.role == 'user' -%}",
+        "message.role == 'user' and not message.content.startswith('<tool_response>') -%}",
+    )
+    assert other.chat_template != tokenizer.get_chat_template()
+    assert PromptTokenCounter(other, THINKING, BUDGET).formatter is None
+    assert PromptTokenCounter(tokenizer, {**THINKING, "tools": None}, BUDGET).formatter is None
+    # A tokenizer with a normalizer is not one the fast counter models.
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    assert ByteLevelTokenCounter.verified(backend) is not None
+    backend.normalizer = normalizers.NFC()
+    assert ByteLevelTokenCounter.verified(backend) is None
+
+
+def test_counts_survive_the_trip_to_a_worker_process(counter):
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(counter))
+    assert copy.tokenizer is None  # the fast formatter needs no transformers in the worker
+    conversations = varied_conversations(seed=5, n=50)
+    assert copy.count(conversations) == counter.count(conversations)
+
+
+@pytest.fixture(scope="module")
+def whitespace_bpe() -> Any:
+    """A byte-level BPE trained on text full of whitespace runs, so that its merges span them
+    ("ĠĠĠ", "ĊĠĠ"): counts then show any misplaced pre-token boundary, which the tiny target's
+    vocabulary (no such merges) would hide."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    rng = random.Random(7)
+    words = ["def", "return", "if", "x", "value", "it's", "we'll", "42", "(", "):", "=", "+"]
+    corpus = []
+    for _ in range(3000):
+        lines = []
+        for _ in range(rng.randint(1, 6)):
+            indent = " " * rng.choice([0, 1, 2, 3, 4, 8]) + "\t" * rng.choice([0, 0, 1])
+            spaces = [" ", " ", "  ", "   "]
+            lines.append(indent + "".join(rng.choice(words) + rng.choice(spaces) for _ in range(5)))
+        corpus.append(rng.choice(["\n", "\n\n", " \n", "\n \n", "\r\n"]).join(lines))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=[AddedToken(t, normalized=False) for t in ("<|im_start|>", "<|im_end|>")],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    vocab = tok.get_vocab()
+    assert {"ĠĠ", "ĠĠĠ", "ĠĊĠ", "ĠĠĊĠĠ"} <= set(vocab)  # " " is Ġ, "\n" is Ċ
+    return tok
+
+
+def test_fast_counter_is_exact_where_merges_span_whitespace(whitespace_bpe):
+    counter = ByteLevelTokenCounter.verified(whitespace_bpe)
+    assert counter is not None
+    rng = random.Random(11)
+    alphabet = [" ", " ", "  ", "   ", "    ", "\n", "\n ", " \n", "\n\n", "\t", " \t", "\r\n",
+                "def", "x", "it's", "'ll", "42", "(", "):", "é", "中", "\xa0", "\u3000",
+                "<|im_start|>", "<|im_end|>"]  # fmt: skip
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 25))) for _ in range(4000)]
+    expected = [len(e) for e in whitespace_bpe.encode_batch(texts, add_special_tokens=False)]
+    assert [counter.count(t) for t in texts] == expected
