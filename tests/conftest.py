@@ -24,5 +24,7 @@ def repo_root() -> Path:
 def tiny_target_dir() -> Path:
     """The committed embedded target (models/tiny-target)."""
     path = REPO_ROOT / "models" / "tiny-target"
-    assert (path / "config.json").exists(), "models/tiny-target is missing: draftline build-tiny-target"
+    assert (path / "config.json").exists(), (
+        "models/tiny-target is missing: draftline build-tiny-target"
+    )
     return path

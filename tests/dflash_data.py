@@ -96,7 +96,9 @@ def write_packs(
             ]
             tensors["features"] = torch.cat(feats)
         name = f"pack-{p // per_pack:05d}.safetensors"
-        save_file(tensors, str(folder / name), metadata={"ids": json.dumps([i for i, _, _ in chunk])})
+        save_file(
+            tensors, str(folder / name), metadata={"ids": json.dumps([i for i, _, _ in chunk])}
+        )
         shards.append({"file": name, "num_sequences": len(chunk), "num_tokens": sum(lengths)})
     index = {
         "features": "offline" if offline else "online",

@@ -44,8 +44,12 @@ def build_random_target(out_dir: Path) -> Path:
     texts = [m["content"] for messages, _ in examples for m in messages]
     tokenizer = tiny_target.build_tokenizer(texts, 400)
     config = tiny_target.BuildConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
     )
     model = tiny_target.build_model(config, tokenizer)
     tokenizer.save_pretrained(out_dir)
@@ -188,8 +192,20 @@ class StandIn:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"standin-{self.port}.rids"
         self.args = [
-            sys.executable, str(STANDIN), "--port", str(self.port), "--log", str(self.log),
-            "--think-start", "3", "--think-end", "4", "--vocab-low", "10", "--vocab-high", "300",
+            sys.executable,
+            str(STANDIN),
+            "--port",
+            str(self.port),
+            "--log",
+            str(self.log),
+            "--think-start",
+            "3",
+            "--think-end",
+            "4",
+            "--vocab-low",
+            "10",
+            "--vocab-high",
+            "300",
             *args,
         ]
         self.proc: subprocess.Popen | None = None
@@ -220,6 +236,9 @@ class StandIn:
 def run_generate(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240):
     return subprocess.run(
         [sys.executable, "-m", "draftline", "generate", "--no-progress", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )

@@ -22,7 +22,11 @@ def options(group: str) -> list[str]:
 
 COMBOS = list(
     itertools.product(
-        options("model"), options("data"), options("drafter"), options("hardware"), options("quality")
+        options("model"),
+        options("data"),
+        options("drafter"),
+        options("hardware"),
+        options("quality"),
     )
 )
 
@@ -44,7 +48,13 @@ def test_groups_have_the_expected_options() -> None:
 @pytest.mark.parametrize(("model", "data", "drafter", "hw", "quality"), COMBOS)
 def test_every_combination_composes(model: str, data: str, drafter: str, hw: str, quality: str):
     cfg = params.compose(
-        [f"model={model}", f"data={data}", f"drafter={drafter}", f"hardware={hw}", f"quality={quality}"],
+        [
+            f"model={model}",
+            f"data={data}",
+            f"drafter={drafter}",
+            f"hardware={hw}",
+            f"quality={quality}",
+        ],
         CONF,
     )
     assert cfg["model"]["name"] == model and cfg["hardware"]["name"] == hw
@@ -119,15 +129,24 @@ def test_committed_params_are_the_default_composition(repo_root: Path) -> None:
 def test_compose_writes_and_check_detects_staleness(tmp_path: Path, repo_root: Path) -> None:
     out = tmp_path / "params.yaml"
     conf = str(repo_root / "conf")
-    written = run_cli("compose", "hardware=b200x8", "data.num_shards=3", "--output", str(out),
-                      "--config-dir", conf, cwd=tmp_path)
+    written = run_cli(
+        "compose",
+        "hardware=b200x8",
+        "data.num_shards=3",
+        "--output",
+        str(out),
+        "--config-dir",
+        conf,
+        cwd=tmp_path,
+    )
     assert written.returncode == 0, written.stderr
     data = yaml.safe_load(out.read_text())
     assert data["hardware"]["name"] == "b200x8" and data["data"]["shard_ids"] == [0, 1, 2]
     stale = run_cli("compose", "--check", "--output", str(out), "--config-dir", conf, cwd=tmp_path)
     assert stale.returncode == 1 and "stale" in stale.stdout
-    unknown = run_cli("compose", "hardware=nope", "--output", str(out), "--config-dir", conf,
-                      cwd=tmp_path)
+    unknown = run_cli(
+        "compose", "hardware=nope", "--output", str(out), "--config-dir", conf, cwd=tmp_path
+    )
     assert unknown.returncode != 0 and "nope" in unknown.stderr
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from generate_helpers import build_random_target, conversations, make_workdir, run_generate
 
 from draftline import target
 from draftline.engines.base import Request, Result, Sampling
 from draftline.engines.local import LocalEngine
 from draftline.loss_mask import completion_stats, special_ids
-from generate_helpers import build_random_target, conversations, make_workdir, run_generate
 
 torch.set_num_threads(1)
 
@@ -82,7 +82,9 @@ def test_stop_at_the_end_of_turn_token_keeps_it(loaded):
     out = collect(LocalEngine(lm, Sampling(6), stop_token, tok.pad_token_id, batch_size=3), reqs)
     r = out[reqs[0].id]
     cut = first[: first.index(stop_token) + 1]
-    assert r.finish_reason == "stop" and r.completion_ids == cut and r.completion_ids[-1] == stop_token
+    assert (
+        r.finish_reason == "stop" and r.completion_ids == cut and r.completion_ids[-1] == stop_token
+    )
 
 
 def test_sampling_is_seeded(loaded):
@@ -92,7 +94,9 @@ def test_sampling_is_seeded(loaded):
     reqs = requests(tok, 4)
     a = collect(LocalEngine(lm, s, eot, tok.pad_token_id, batch_size=4), reqs)
     b = collect(LocalEngine(lm, s, eot, tok.pad_token_id, batch_size=4), reqs)
-    assert {k: v.completion_ids for k, v in a.items()} == {k: v.completion_ids for k, v in b.items()}
+    assert {k: v.completion_ids for k, v in a.items()} == {
+        k: v.completion_ids for k, v in b.items()
+    }
 
 
 def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
@@ -103,7 +107,10 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
     assert [r["id"] for r in table] == ids  # exactly the curated ids, sorted
     tok = target.load_tokenizer({"path": str(model_dir), "revision": None})
     special = special_ids(tok, "<|im_end|>")
-    curated = {r["id"]: r for r in pq.read_table(tmp_path / "data/curated/train/shard-0.parquet").to_pylist()}
+    curated = {
+        r["id"]: r
+        for r in pq.read_table(tmp_path / "data/curated/train/shard-0.parquet").to_pylist()
+    }
     for row in table:
         msgs = [dict(m) for m in curated[row["id"]]["messages"]]
         assert row["prompt_ids"] == target.prompt_ids(tok, msgs, {"enable_thinking": True})

@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from generate_helpers import (
+    StandIn,
+    build_random_target,
+    make_workdir,
+    run_generate,
+    sglang_hardware,
+)
 
 from draftline.engines.base import Result
 from draftline.journal import Journal
-from generate_helpers import StandIn, build_random_target, make_workdir, run_generate, sglang_hardware
 
 JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
 
@@ -45,7 +51,9 @@ def start_and_kill(cwd: Path, at_records: int, timeout: float = 180) -> list[str
     """Run the stage in a subprocess and SIGKILL it once the journal holds `at_records`."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "draftline", "generate", "--no-progress", "--shard", "0"],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     journal = cwd / JOURNAL
@@ -63,8 +71,9 @@ def start_and_kill(cwd: Path, at_records: int, timeout: float = 180) -> list[str
 
 def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
     server = StandIn(tmp_path, "--delay", "0.03")
-    ids = make_workdir(tmp_path, model_dir, n=240, hardware=sglang_hardware(server.port, 4),
-                       max_new_tokens=64)
+    ids = make_workdir(
+        tmp_path, model_dir, n=240, hardware=sglang_hardware(server.port, 4), max_new_tokens=64
+    )
     with server:
         done_before = start_and_kill(tmp_path, random.Random().randint(10, 200))
         assert len(done_before) == len(set(done_before)) >= 10
@@ -87,10 +96,18 @@ def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
 
 
 def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
-    hw = {"name": "cpu", "engine": "local", "device": "cpu", "precision": "fp32",
-          "num_threads": 1, "local": {"batch_size": 2}, "sglang": None}
-    ids = make_workdir(tmp_path, model_dir, n=60, hardware=hw, max_new_tokens=40,
-                       generate={"guard": False})
+    hw = {
+        "name": "cpu",
+        "engine": "local",
+        "device": "cpu",
+        "precision": "fp32",
+        "num_threads": 1,
+        "local": {"batch_size": 2},
+        "sglang": None,
+    }
+    ids = make_workdir(
+        tmp_path, model_dir, n=60, hardware=hw, max_new_tokens=40, generate={"guard": False}
+    )
     done_before = start_and_kill(tmp_path, random.Random().randint(2, 30))
     proc = run_generate(tmp_path, "--shard", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -114,7 +131,9 @@ def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):
     j = Journal(path, ident)
     records = j.open()
     assert {k: (v.completion_ids, v.finish_reason) for k, v in records.items()} == {
-        "a": ([1, 2], "stop"), "b": ([3], "length")}
+        "a": ([1, 2], "stop"),
+        "b": ([3], "length"),
+    }
     assert j.wall_s == 2.5
     j.append([Result("c", [9], "stop")])
     j.close()
@@ -157,10 +176,19 @@ def test_journal_of_another_chat_template_is_set_aside(tmp_path):
 
 def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_path, model_dir):
     server = StandIn(tmp_path, "--delay", "0.4")
-    ids = make_workdir(tmp_path, model_dir, n=30, hardware=sglang_hardware(server.port, 8),
-                       max_new_tokens=64,
-                       generate={"request_timeout_s": 0.2, "max_retries": 0, "guard": False,
-                                 "max_error_share": 0.2})
+    ids = make_workdir(
+        tmp_path,
+        model_dir,
+        n=30,
+        hardware=sglang_hardware(server.port, 8),
+        max_new_tokens=64,
+        generate={
+            "request_timeout_s": 0.2,
+            "max_retries": 0,
+            "guard": False,
+            "max_error_share": 0.2,
+        },
+    )
     with server:
         proc = run_generate(tmp_path, "--shard", "0")
     # Every request timed out: far above max_error_share, so the shard fails and says why.

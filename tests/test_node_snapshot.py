@@ -26,8 +26,13 @@ def test_redact_env_hides_secret_names_and_url_user_info() -> None:
         "CUDA_VISIBLE_DEVICES": "0,1,2,3",
     }
     red = node_snapshot.redact_env(env)
-    for name in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
-                 "GOOGLE_APPLICATION_CREDENTIALS", "WANDB_API_KEY"):
+    for name in (
+        "HF_TOKEN",
+        "AWS_SECRET_ACCESS_KEY",
+        "DB_PASSWORD",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "WANDB_API_KEY",
+    ):
         assert red[name] == "***"
     assert red["PROXY"] == "http://***@proxy.example:3128"
     assert red["MY_ECHO"] == "token is ***"
@@ -66,8 +71,22 @@ def test_snapshot_fields_git_state_and_no_secrets(
     monkeypatch.setenv("HTTPS_PROXY", f"http://carol:{PASSWORD}@proxy.example:8080")
     snap = node_snapshot.take_snapshot(git_repo)
 
-    for key in ("host", "time_utc", "os", "python", "gpu", "cuda_toolkit", "cpu", "memory",
-                "disks", "torch", "sglang", "git", "packages", "environment"):
+    for key in (
+        "host",
+        "time_utc",
+        "os",
+        "python",
+        "gpu",
+        "cuda_toolkit",
+        "cpu",
+        "memory",
+        "disks",
+        "torch",
+        "sglang",
+        "git",
+        "packages",
+        "environment",
+    ):
         assert key in snap
     assert snap["cpu"]["logical_cores"] >= 1
     assert snap["memory"]["total_bytes"] > 0
@@ -75,8 +94,9 @@ def test_snapshot_fields_git_state_and_no_secrets(
     assert snap["packages"]["dvc"] and snap["packages"]["torch"]
     assert snap["torch"]["version"] == snap["packages"]["torch"]
     assert "version" in snap["sglang"]  # None here: SGLang lives on GPU nodes
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=git_repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert snap["git"]["revision"] == head and snap["git"]["dirty"] is False
     assert snap["environment"]["HF_TOKEN"] == "***"
 
@@ -111,8 +131,9 @@ def test_gpu_fields_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (info["driver"], info["cuda_driver"]) == ("580.95.05", "13.0")
 
 
-def test_no_gpu_tool_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch,
-                                            tmp_path: Path) -> None:
+def test_no_gpu_tool_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     info = node_snapshot.gpu_info()
     assert info["gpus"] == [] and "not available" in info["note"]

@@ -114,4 +114,3 @@ def test_block_loss_is_weighted_cross_entropy_with_per_position_accuracy(monkeyp
     hidden.grad = None
     expected.backward()
     assert torch.allclose(chunked, hidden.grad, atol=1e-5)
-

@@ -68,7 +68,9 @@ def test_default_remote_is_s3_and_endpoint_region_profile_are_configurable(repo:
     info = remote.describe_remote(repo)
     assert info.url == "s3://other-bucket/x"
     assert (info.endpoint, info.region, info.profile) == (
-        "https://s3.example.test", "eu-north-1", "trainer",
+        "https://s3.example.test",
+        "eu-north-1",
+        "trainer",
     )
     local = remote.describe_remote(repo, "local")
     assert local.kind == "local" and Path(local.url).name == "draftline-dvc-remote"
@@ -122,7 +124,8 @@ def test_credentials_from_aws_profile(repo: Path, monkeypatch: pytest.MonkeyPatc
 def test_credentials_in_committed_config_are_refused(repo: Path) -> None:
     subprocess.run(
         ["dvc", "remote", "modify", "s3", "secret_access_key", SECRET_ACCESS_KEY],
-        cwd=repo, check=True,
+        cwd=repo,
+        check=True,
     )
     with pytest.raises(remote.RemoteError, match="committed .dvc/config.*config.local"):
         remote.credential_source(repo, remote.describe_remote(repo))

@@ -92,7 +92,7 @@ def test_bad_rows_are_bad_in_the_way_they_claim(rows: list[sample_prompts.Sample
             assert any(not t["value"].strip() for t in obj["conversations"])
         elif reason == "broken_alternation":
             froms = [t["from"] for t in obj["conversations"]]
-            assert any(a == b for a, b in zip(froms, froms[1:]))
+            assert any(a == b for a, b in zip(froms, froms[1:], strict=False))
         elif reason == "no_user_turn":
             assert "human" not in {t["from"] for t in obj["conversations"]}
         elif reason == "prompt_too_long":

@@ -12,11 +12,11 @@ import argparse
 import time
 
 import pytest
+from generate_helpers import StandIn, free_port
+from sglang_standin import build_parser, completion_for
 
 from draftline.engines.base import EngineUnavailable, Request, Result, Sampling
 from draftline.engines.sglang import ClientSettings, SGLangEngine, parse_response, resolve_endpoints
-from generate_helpers import StandIn, free_port
-from sglang_standin import build_parser, completion_for
 
 EOT = 2
 SAMPLING = Sampling(max_new_tokens=64)
@@ -34,8 +34,13 @@ def reqs(n: int) -> list[Request]:
 
 def engine(*urls: str, **kw) -> SGLangEngine:
     settings = {
-        "max_in_flight": 16, "request_timeout_s": 10, "max_retries": 4,
-        "backoff_base_s": 0.02, "backoff_max_s": 0.2, "health_timeout_s": 1.0, **kw,
+        "max_in_flight": 16,
+        "request_timeout_s": 10,
+        "max_retries": 4,
+        "backoff_base_s": 0.02,
+        "backoff_max_s": 0.2,
+        "health_timeout_s": 1.0,
+        **kw,
     }
     return SGLangEngine(ClientSettings(endpoints=tuple(urls), **settings), SAMPLING, EOT)
 
@@ -74,8 +79,10 @@ def test_injected_500_429_and_dropped_connections_are_retried(tmp_path):
         out = run(eng, requests)
         rids = s.rids()
     assert len(out) == 120
-    assert all(r.finish_reason == "stop" and r.completion_ids == expected(q)
-               for q, r in ((q, out[q.id]) for q in requests))
+    assert all(
+        r.finish_reason == "stop" and r.completion_ids == expected(q)
+        for q, r in ((q, out[q.id]) for q in requests)
+    )
     assert eng.retries > 10 and len(rids) == eng.requests_sent > 120
     assert len(set(rids)) == len(rids)  # every attempt has its own rid
 
@@ -98,8 +105,9 @@ def test_server_dying_mid_shard_stops_the_run_with_a_clear_error(tmp_path):
             eng.generate(requests, finished.append)
     assert 40 <= len(finished) <= 60
     by_id = {r.id: r for r in requests}
-    assert all(f.finish_reason == "stop" and f.completion_ids == expected(by_id[f.id])
-               for f in finished)
+    assert all(
+        f.finish_reason == "stop" and f.completion_ids == expected(by_id[f.id]) for f in finished
+    )
 
 
 def test_load_is_spread_over_endpoints_and_a_dead_one_is_avoided(tmp_path):
@@ -139,9 +147,15 @@ def test_http_400_is_recorded_without_retrying(tmp_path):
 
 
 def test_parse_response_variants():
-    ok = {"output_ids": [5, 6, EOT, 9], "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}}}
+    ok = {
+        "output_ids": [5, 6, EOT, 9],
+        "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}},
+    }
     assert parse_response("a", ok, EOT).completion_ids == [5, 6, EOT]
-    trimmed = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}}}
+    trimmed = {
+        "output_ids": [5, 6],
+        "meta_info": {"finish_reason": {"type": "stop", "matched": EOT}},
+    }
     r = parse_response("a", trimmed, EOT)
     assert (r.finish_reason, r.completion_ids) == ("stop", [5, 6, EOT])
     length = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
@@ -155,6 +169,8 @@ def test_endpoints_from_env_config_or_profile(monkeypatch):
     monkeypatch.delenv("DRAFTLINE_SGLANG_ENDPOINTS", raising=False)
     assert resolve_endpoints(None, "127.0.0.1", 30000) == ["http://127.0.0.1:30000"]
     assert resolve_endpoints(["node1:30000/", "http://r:1"], "h", 1) == [
-        "http://node1:30000", "http://r:1"]
+        "http://node1:30000",
+        "http://r:1",
+    ]
     monkeypatch.setenv("DRAFTLINE_SGLANG_ENDPOINTS", "http://a:1, http://b:2")
     assert resolve_endpoints(["ignored:1"], "h", 1) == ["http://a:1", "http://b:2"]

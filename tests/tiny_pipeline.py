@@ -92,15 +92,26 @@ BULK_STAGE = """\
 """
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, check: bool = True,
-        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cmd,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n"
-                             f"{done.stderr}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+        )
     return done
 
 
@@ -109,11 +120,17 @@ def base_env(tmp: Path, server: S3Server | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     home = tmp / "home"
     home.mkdir(exist_ok=True)
-    env.update(HOME=str(home), GIT_CONFIG_NOSYSTEM="1", DVC_NO_ANALYTICS="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     env.update(
-        GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
-        GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com",
+        HOME=str(home),
+        GIT_CONFIG_NOSYSTEM="1",
+        DVC_NO_ANALYTICS="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.update(
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@example.com",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@example.com",
     )
     if server is not None:
         env.update(aws_env(server))
@@ -146,23 +163,34 @@ def make_origin(tmp: Path, env: dict[str, str], bulk_files: int = 0, bulk_kib: i
     return origin
 
 
-def clone_node(origin: Path, dest: Path, env: dict[str, str], server: S3Server | None,
-               bucket: str, jobs: int | None = None) -> Path:
+def clone_node(
+    origin: Path,
+    dest: Path,
+    env: dict[str, str],
+    server: S3Server | None,
+    bucket: str,
+    jobs: int | None = None,
+) -> Path:
     """A node: a fresh clone whose `.dvc/config.local` points the s3 remote at the test bucket."""
     run(["git", "clone", "-q", str(origin), str(dest)], origin.parent, env)
     run(["dvc", "remote", "modify", "--local", "s3", "url", f"s3://{bucket}/dvc"], dest, env)
     if server is not None:
-        run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", server.endpoint],
-            dest, env)
+        run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", server.endpoint], dest, env)
     if jobs:
         run(["dvc", "remote", "modify", "--local", "s3", "jobs", str(jobs)], dest, env)
     return dest
 
 
-def salvage(node: Path, env: dict[str, str], *args: str,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return run([sys.executable, "-m", "draftline", "salvage", *args], node, env, check=False,
-               timeout=timeout)
+def salvage(
+    node: Path, env: dict[str, str], *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return run(
+        [sys.executable, "-m", "draftline", "salvage", *args],
+        node,
+        env,
+        check=False,
+        timeout=timeout,
+    )
 
 
 def ran(node: Path) -> list[str]:

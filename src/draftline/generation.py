@@ -157,7 +157,9 @@ def run_shard(
         )
     rows: dict[str, dict[str, Any]] = {}
     for sample_id, result in finished.items():
-        rows[sample_id] = build_row(sample_id, prompts[sample_id], result, special, tokenizer, labels)
+        rows[sample_id] = build_row(
+            sample_id, prompts[sample_id], result, special, tokenizer, labels
+        )
         if guard:
             guard.observe(rows[sample_id])
     pending = [Request(i, prompts[i]) for i in sorted(prompts) if i not in finished]

@@ -102,4 +102,3 @@ class Guard:
         if "unique_completions" in names:
             return "many identical completions: the prompts collapse to one rendering (template)"
         return "see the failed checks above"
-

@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     reasons = Counter(row.expected_reason for row in rows if row.expected_reason)
     bad = sum(reasons.values())
     print(
-        f"wrote {path}: {len(rows)} rows, {len(rows) - bad} valid, {bad} bad ({bad / len(rows):.1%})"
+        f"wrote {path}: {len(rows)} rows, {len(rows) - bad} valid, "
+        f"{bad} bad ({bad / len(rows):.1%})"
     )
     print("bad rows by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
     return 0

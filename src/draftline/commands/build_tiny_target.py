@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     figures = tiny_target.build(args.out)
     print(
-        f"wrote {args.out}: {figures['num_parameters']:,} parameters, vocab {figures['vocab_size']}, "
+        f"wrote {args.out}: {figures['num_parameters']:,} parameters, "
+        f"vocab {figures['vocab_size']}, "
         f"loss {figures['first_loss']:.3f} -> {figures['final_loss']:.3f}, "
         f"build {figures['wall_s']:.1f} s wall / {figures['cpu_s']:.1f} s CPU"
     )
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = sample_prompts.valid_prompts()
     rate = tiny_target.thinking_format_rate(model, tokenizer, prompts, budget)
     print(
-        f"thinking-format rate on {len(prompts)} bundled prompts (greedy, {budget} new tokens): {rate:.3f}"
+        f"thinking-format rate on {len(prompts)} bundled prompts "
+        f"(greedy, {budget} new tokens): {rate:.3f}"
     )
     if rate < 0.9:
         print("warning: below the required 0.9")

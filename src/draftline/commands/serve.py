@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except sglang_server.ServeError as exc:
         print(f"serve start failed: {exc}")
         return 1
-    print(f"SGLang ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, log {state.log}")
+    print(
+        f"SGLang ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, log {state.log}"
+    )
     return 0
 
 
@@ -73,8 +75,10 @@ def _status() -> int:
     for s in states:
         up = sglang_server.alive(s)
         health = "healthy" if up and sglang_server.healthy(s.url) else "not answering"
-        print(f"{s.url}  pid {s.pid}  {'running' if up else 'gone'}, {health}  "
-              f"profile {s.profile}  log {s.log}")
+        print(
+            f"{s.url}  pid {s.pid}  {'running' if up else 'gone'}, {health}  "
+            f"profile {s.profile}  log {s.log}"
+        )
     return 0
 
 

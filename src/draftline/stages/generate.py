@@ -1,7 +1,8 @@
 """Stage `generate`: regenerate one curated shard (or the eval split) with the target.
 
-  draftline generate --shard K     data/curated/train/shard-K.parquet -> data/generated/train/shard-K.parquet
-  draftline generate --eval        data/curated/eval.parquet -> data/generated/eval.parquet
+  draftline generate --shard K   data/curated/train/shard-K.parquet
+                                 -> data/generated/train/shard-K.parquet
+  draftline generate --eval      data/curated/eval.parquet -> data/generated/eval.parquet
 
 The engine comes from the hardware profile (`local` transformers, or `sglang` over HTTP).
 SGLang endpoints: $DRAFTLINE_SGLANG_ENDPOINTS (comma-separated URLs), else `generate.endpoints`,

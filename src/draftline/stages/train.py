@@ -83,9 +83,7 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "dropped_sequences": result.dropped_sequences,
         "final_loss": last.get("loss"),
         "final_accuracy": last.get("acc"),
-        "final_accuracy_per_position": [
-            last.get(f"acc_pos/{k}") for k in range(1, hp.block_size)
-        ],
+        "final_accuracy_per_position": [last.get(f"acc_pos/{k}") for k in range(1, hp.block_size)],
         "first_loss": result.history[0]["loss"] if result.history else None,
         "tokens_this_run": result.tokens,
         "seconds": round(result.seconds, 3),
