@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv)  # prints help or the unknown-command error and exits
         return 2
     name, rest = argv[0], argv[1:]
+    if COMMANDS[name][0].startswith("draftline.stages.") and "DVC_STAGE" in os.environ:
+        from draftline import stage_inputs
+
+        stage_inputs.check_from_env()  # before the stage reads anything (--allow-missing)
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"draftline {name}", description=module.__doc__)
     module.add_arguments(parser)

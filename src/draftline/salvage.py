@@ -39,8 +39,8 @@ MAX_LOGS_BYTES = 20 * 2**20
 DEFAULT_MIN_FREE = 64 * 2**20
 RESUME_COMMAND = "dvc repro --pull"
 HAZARD = (
-    "never add --allow-missing: downstream stages then run on folders whose finished shards "
-    "were not pulled"
+    "never add --allow-missing: it does not pull the stages it skips, so the stages after them "
+    "would see folders without the finished shards (their input guard refuses to run)"
 )
 
 
@@ -310,7 +310,9 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
         fs, odb = rem.fs, rem.odb
         result = Verification(remote_url=str(repo.config["remote"][remote_name]["url"]))
         listing = _list(fs, odb.path)
-        todo = list(recorded_outputs(root))
+        # `cache: false` outputs (metrics, plots) never go to a DVC remote: git carries them.
+        in_git = set(uncached_outputs(root))
+        todo = [o for o in recorded_outputs(root) if o.path not in in_git]
         while todo:
             obj = todo.pop()
             result.owners[obj.owner] = result.owners.get(obj.owner, 0) + 1
@@ -521,16 +523,44 @@ def git_changes(root: Path) -> list[str]:
     return done.stdout.splitlines() if done.returncode == 0 else []
 
 
-def _bookkeeping(change: str) -> bool:
-    """DVC's own files: the lock, `.dvc` pointers and the .gitignore files it maintains."""
+def _bookkeeping(change: str, uncached: Iterable[str] = ()) -> bool:
+    """DVC's own files (the lock, `.dvc` pointers, the .gitignore files it maintains) and the
+    `cache: false` outputs of finished stages (metrics, plots), which git carries, not DVC."""
     path = change[3:].strip().strip('"')
     name = Path(path).name
-    return name in ("dvc.lock", ".gitignore") or name.endswith(".dvc")
+    if name in ("dvc.lock", ".gitignore") or name.endswith(".dvc"):
+        return True
+    return any(path == out or path.startswith(out.rstrip("/") + "/") for out in uncached)
+
+
+def uncached_outputs(root: Path) -> list[str]:
+    """Paths of the `cache: false` outputs (metrics, plots) of the stages in dvc.lock.
+
+    `dvc push` never sends them: without a commit, a new node would miss e.g. the metrics a
+    downstream stage depends on, and rerun the finished stage that wrote them.
+    """
+    finished = locked_stages(root)
+    if not finished:
+        return []
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(root)) as repo:
+            return sorted(
+                os.path.relpath(str(out.fs_path), repo.root_dir)
+                for stage in repo.index.stages
+                if stage.addressing in finished
+                for out in stage.outs
+                if not out.use_cache
+            )
+    except Exception:  # an unreadable dvc.yaml: `uncommitted` then lists those files NOT SAFE
+        return []
 
 
 def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[Finding]:
     note_path = str(notes.relative_to(root))
-    kept = [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c)]
+    uncached = uncached_outputs(root)
+    kept = [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c, uncached)]
     paths = sorted({note_path, *kept})
     # -f for the notes: the copied logs keep their paths (logs/, .draftline/), which the
     # repository's .gitignore ignores, and they must reach the next node all the same.
@@ -650,7 +680,8 @@ def plan(opts: Options, info: remote.RemoteInfo | None, notes: Path) -> list[str
         steps.append("draftline serve stop")
     if opts.commit:
         steps.append(
-            f"git commit dvc.lock, DVC's .gitignore/.dvc files and {notes}/"
+            "git commit dvc.lock, DVC's .gitignore/.dvc files, the cache: false outputs "
+            f"(metrics, plots) of finished stages and {notes}/"
             + (" and git push" if opts.push_git else "")
         )
     steps.append("report SAFE / NOT SAFE; exit 1 when anything is NOT SAFE")

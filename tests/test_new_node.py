@@ -1,0 +1,279 @@
+"""Resuming on a new node: two clones of this project sharing one S3 endpoint (moto's
+ThreadedMotoServer on 127.0.0.1), the real pipeline through real `dvc` subprocesses.
+
+Node A runs curate and 2 of the 4 generate shards, then `draftline salvage` (push to S3,
+commit dvc.lock and the stage metrics, push git to a bare origin). Node B is a fresh clone of
+that origin and first makes the `--allow-missing` mistake: plain `--allow-missing` starts
+generate@2 without its curated input, and `--pull --allow-missing` runs the two missing shards
+(DVC pulls the inputs of stages it runs) and then starts validate on a folder without the
+shards A finished; the input guard refuses both before they read anything. `dvc repro --pull`
+then restores what A finished and runs only validate. No stage runs twice anywhere, and the
+result equals one uninterrupted run on a third clone.
+
+The story runs once (module fixture, a few minutes on CPU); the tests read its record.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from s3_server import S3Server
+from test_pipeline import copy_project, ran_stages
+from tiny_pipeline import base_env, clone_node, run, salvage
+
+SHARDS = [f"generate@{k}" for k in range(4)]
+# Outputs whose bytes do not depend on timing (metrics/generate/* hold tok/s, reports/ hold
+# GX run times): the ones an interrupted run must reproduce exactly.
+DETERMINISTIC = (
+    "data/curated",
+    *(f"data/generated/train/shard-{k}.parquet" for k in range(4)),
+    "data/validated/verdict.json",
+)
+# One generation batch per shard: hardware keys change how, never what (outputs are equal).
+BATCH_SIZE = 96
+
+
+@dataclass
+class Story:
+    tmp: Path
+    env: dict[str, str]
+    server: S3Server
+    bucket: str
+    origin: Path
+    node_a: Path
+    node_b: Path
+    reference: Path
+    a_repro: subprocess.CompletedProcess[str]
+    a_salvage: subprocess.CompletedProcess[str]
+    b_allow_missing: subprocess.CompletedProcess[str]
+    b_pull_allow_missing: subprocess.CompletedProcess[str]
+    b_repro: subprocess.CompletedProcess[str]
+    reference_repro: subprocess.CompletedProcess[str]
+
+
+def dvc(node: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return run(["dvc", *args], node, env, check=False, timeout=900)
+
+
+def output(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout + done.stderr
+
+
+def make_seed(tmp: Path) -> Path:
+    """This project as a fresh git repository (no outputs of earlier runs), batch size raised."""
+    seed = tmp / "seed"
+    seed.mkdir()
+    copy_project(seed)
+    params = yaml.safe_load((seed / "params.yaml").read_text())
+    params["hardware"]["local"] = {
+        **(params["hardware"].get("local") or {}),
+        "batch_size": BATCH_SIZE,
+    }
+    (seed / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run(["git", "commit", "-qam", "batch size"], cwd=seed, check=True,
+                   capture_output=True)  # fmt: skip
+    return seed
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
+    tmp = tmp_path_factory.mktemp("new-node")
+    server = S3Server()
+    server.start()
+    try:
+        bucket = f"new-node-{uuid.uuid4().hex[:12]}"
+        server.create_bucket(bucket)
+        env = base_env(tmp, server)
+        seed = make_seed(tmp)
+        origin = tmp / "origin.git"
+        run(["git", "clone", "-q", "--bare", str(seed), str(origin)], tmp, env)
+
+        node_a = clone_node(origin, tmp / "node-a", env, server, bucket)
+        a_repro = dvc(node_a, env, "repro", "curate", "generate@0", "generate@1")
+        assert a_repro.returncode == 0, output(a_repro)
+        a_salvage = salvage(node_a, env, timeout=900)
+
+        node_b = clone_node(origin, tmp / "node-b", env, server, bucket)
+        b_allow_missing = dvc(node_b, env, "repro", "--allow-missing", "validate")
+        b_pull_allow_missing = dvc(node_b, env, "repro", "--pull", "--allow-missing", "validate")
+        b_repro = dvc(node_b, env, "repro", "--pull", "validate")
+
+        # One uninterrupted run: a clone of the same first commit, no remote involved.
+        reference = tmp / "reference"
+        run(["git", "clone", "-q", str(seed), str(reference)], tmp, env)
+        reference_repro = dvc(reference, env, "repro", "validate")
+        shutil.rmtree(seed)
+        yield Story(
+            tmp, env, server, bucket, origin, node_a, node_b, reference,
+            a_repro, a_salvage, b_allow_missing, b_pull_allow_missing, b_repro,
+            reference_repro,
+        )  # fmt: skip
+    finally:
+        server.stop()
+
+
+def lock_stages(node: Path) -> dict[str, dict]:
+    return yaml.safe_load((node / "dvc.lock").read_text())["stages"]
+
+
+def recorded_hashes(node: Path) -> dict[str, str]:
+    """Workspace path -> md5 of every output dvc.lock records."""
+    return {
+        out["path"]: out["md5"]
+        for stage in lock_stages(node).values()
+        for out in stage.get("outs", [])
+    }
+
+
+def test_node_a_salvage_pushes_two_of_four_shards_and_commits_lock_and_metrics(
+    story: Story,
+) -> None:
+    assert set(ran_stages(story.a_repro.stdout)) == {"curate", "generate@0", "generate@1"}
+    out = output(story.a_salvage)
+    assert story.a_salvage.returncode == 0, out
+    assert "VERDICT: SAFE" in out
+    assert "curate, generate@0, generate@1" in out
+    keys = set(story.server.keys(story.bucket))
+    for path in ("data/curated", "data/generated/train/shard-0.parquet",
+                 "data/generated/train/shard-1.parquet"):  # fmt: skip
+        md5 = recorded_hashes(story.node_a)[path]
+        assert f"dvc/files/md5/{md5[:2]}/{md5[2:]}" in keys, path
+    assert any(k.startswith("dvc/runs/") for k in keys)
+    # What git carries reached origin: the lock and the cache: false metrics of finished stages.
+    pushed = run(["git", "ls-tree", "-r", "--name-only", "HEAD"], story.origin, story.env).stdout
+    for path in ("dvc.lock", "metrics/curate.json", "metrics/generate/shard-0.json",
+                 "metrics/generate/shard-1.json"):  # fmt: skip
+        assert path in pushed.splitlines(), path
+    assert "metrics/generate/shard-2.json" not in pushed
+
+
+def test_allow_missing_without_pull_fails_before_running_anything(story: Story) -> None:
+    # DVC skips curate and the finished shards (outputs missing, nothing else changed) and
+    # then cannot hash generate@2's curated input, which was never restored: nothing runs.
+    done = story.b_allow_missing
+    assert done.returncode != 0, output(done)
+    assert ran_stages(done.stdout) == []
+    assert "data/curated/train/shard-2.parquet" in output(done)
+
+
+def test_pull_with_allow_missing_runs_the_missing_shards_and_refuses_a_partial_validate(
+    story: Story,
+) -> None:
+    # With --pull, DVC pulls the inputs of the stages it runs (the two missing shards are real
+    # work), but not the outputs of the stages it skips: validate would see 2 of 4 shards.
+    done = story.b_pull_allow_missing
+    out = output(done)
+    assert done.returncode != 0, out
+    assert ran_stages(done.stdout) == ["generate@2", "generate@3", "validate"]
+    assert "validate: refusing to run on inputs that do not match dvc.lock" in out
+    for k in (0, 1):
+        assert f"data/generated/train/shard-{k}.parquet (output of generate@{k}): missing" in out
+    assert "`dvc pull generate@0 generate@1`" in out
+    assert "checks on" not in out  # refused before the GX suite, not failed by it
+
+
+def test_repro_pull_restores_what_a_finished_and_runs_only_the_rest(story: Story) -> None:
+    out = output(story.b_repro)
+    assert story.b_repro.returncode == 0, out
+    assert ran_stages(story.b_repro.stdout) == ["validate"]
+    for stage in ("curate", "generate@0", "generate@1"):
+        assert f"Pulling data for stage: '{stage}'" in out, out
+    # Across node A and node B every stage ran exactly once.
+    runs = [
+        *ran_stages(story.a_repro.stdout),
+        *ran_stages(story.b_pull_allow_missing.stdout)[:-1],  # validate was refused there
+        *ran_stages(story.b_repro.stdout),
+    ]
+    assert sorted(runs) == sorted(["curate", *SHARDS, "validate"])
+    # The finished stages came from S3, not from a rerun: their metrics (wall time, tok/s)
+    # are node A's, byte for byte.
+    for name in ("curate.json", "generate/shard-0.json", "generate/shard-1.json"):
+        assert (story.node_b / "metrics" / name).read_bytes() == (
+            story.node_a / "metrics" / name
+        ).read_bytes()
+    assert set(lock_stages(story.node_b)) == {"curate", *SHARDS, "validate"}
+    assert "up to date" in dvc(story.node_b, story.env, "status", "validate").stdout
+
+
+def test_the_resumed_result_equals_one_uninterrupted_run(story: Story) -> None:
+    ref = story.reference_repro
+    assert ref.returncode == 0, output(ref)
+    assert set(ran_stages(ref.stdout)) == {"curate", *SHARDS, "validate"}
+    resumed, uninterrupted = recorded_hashes(story.node_b), recorded_hashes(story.reference)
+    for path in DETERMINISTIC:
+        assert resumed[path] == uninterrupted[path], path
+    for node in (story.node_b, story.reference):
+        shard_files = sorted(p.name for p in (node / "data/generated/train").iterdir())
+        assert shard_files == [f"shard-{k}.parquet" for k in range(4)]
+    b_metrics = json.loads((story.node_b / "metrics/validate.json").read_text())
+    ref_metrics = json.loads((story.reference / "metrics/validate.json").read_text())
+    assert b_metrics == ref_metrics
+    assert b_metrics["num_samples"] == sum(
+        json.loads((story.reference / "metrics/curate.json").read_text())["shard_rows"].values()
+    )
+
+
+def replace_tail(path: Path) -> bytes:
+    """Overwrite the last bytes of `path` (a new file: it may be a link into the cache)."""
+    recorded = path.read_bytes()
+    path.unlink()
+    path.write_bytes(recorded[:-100] + b"\0" * 100)
+    return recorded
+
+
+def test_changed_and_unfinished_inputs_are_refused_and_checkout_restores(story: Story) -> None:
+    """On node A (curate and 2 of 4 shards done): a shard and a curated file edited."""
+    node, env = story.node_a, story.env
+    shard = node / "data/generated/train/shard-1.parquet"
+    curated = node / "data/curated/train/shard-2.parquet"
+    recorded = {shard: replace_tail(shard), curated: replace_tail(curated)}
+
+    done = dvc(node, env, "repro", "--single-item", "validate")
+    out = output(done)
+    assert done.returncode != 0, out
+    assert "Running stage 'validate'" in out  # DVC started it; the guard refused
+    assert "validate: refusing to run" in out
+    assert "data/generated/train/shard-1.parquet (output of generate@1): does not match" in out
+    assert "`dvc checkout --force generate@1`" in out
+    for k in (2, 3):
+        assert f"data/generated/train/shard-{k}.parquet (output of generate@{k}): not in" in out
+    assert "`dvc repro generate@2 generate@3`" in out
+    assert not (node / "metrics/validate.json").exists()
+
+    # A file inside a directory output is compared with that output's manifest entry.
+    done = dvc(node, env, "repro", "--single-item", "generate@2")
+    out = output(done)
+    assert done.returncode != 0, out
+    assert "data/curated/train/shard-2.parquet (output of curate): does not match" in out
+    assert not (node / "data/generated/train/shard-2.parquet").exists()
+
+    fixed = dvc(node, env, "checkout", "--force", "generate@1", "curate")
+    assert fixed.returncode == 0, output(fixed)
+    for path, content in recorded.items():
+        assert path.read_bytes() == content
+    status = dvc(node, env, "status", "curate", "generate@0", "generate@1")
+    assert "up to date" in status.stdout, output(status)
+
+
+def test_the_guard_checks_only_stages_dvc_runs_and_can_be_switched_off(
+    story: Story, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from draftline import stage_inputs
+
+    monkeypatch.setenv("DVC_ROOT", str(story.node_a))
+    monkeypatch.setenv("DVC_STAGE", "validate")  # shards 2 and 3 are not in A's dvc.lock
+    with pytest.raises(SystemExit, match="generate@2 generate@3"):
+        stage_inputs.check_from_env()
+    monkeypatch.setenv(stage_inputs.ENV_SWITCH, "0")
+    stage_inputs.check_from_env()
+    monkeypatch.delenv(stage_inputs.ENV_SWITCH)
+    monkeypatch.delenv("DVC_STAGE")  # `draftline validate` typed by hand: not a DVC run
+    stage_inputs.check_from_env()
