@@ -96,6 +96,35 @@ def test_exp_show_lists_stage_metrics(finished):
     assert "rows_kept" in shown and "tau" in shown
 
 
+def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finished):
+    """`dvc exp run -S hardware=b200x8` composes params.yaml through DVC's Hydra integration;
+    every stage is cached (hardware is no stage's param), and the experiment lists the metrics."""
+    repo, _ = finished
+    try:
+        done = run(["dvc", "exp", "run", "-S", "hardware=b200x8", "--name", "b200"], repo)
+        assert ran_stages(done.stdout) == []
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        assert params["hardware"]["name"] == "b200x8"
+        assert params["hardware"]["sglang"]["dp_size"] == 8
+        rows = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+        exps = {
+            rev["name"]: rev["data"]
+            for row in rows
+            for exp in row.get("experiments") or []
+            for rev in exp["revs"]
+        }
+        data = exps["b200"]
+        assert data["params"]["params.yaml"]["data"]["hardware"]["name"] == "b200x8"
+        curate = data["metrics"]["metrics/curate.json"]["data"]
+        assert (
+            curate["rows_kept"]
+            == json.loads((repo / "metrics/curate.json").read_text())["rows_kept"]
+        )
+        assert "metrics/evaluate.json" in data["metrics"]
+    finally:
+        run(["git", "checkout", "params.yaml"], repo)
+
+
 def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     """The seed's pathology end to end: tiny answers pass generation (guard off, as when the
     guard's window is not yet full) and validate refuses them; extract never runs."""

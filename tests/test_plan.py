@@ -318,17 +318,19 @@ def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, pr
     )
     write_json(root / "train.json", {"tokens_per_s": 1500.0, "features": "online"})
     metrics, _ = plan_cmd.read_metrics(root)
-    plan = planning.build_plan(params.compose([], conf), profiles, metrics)
+    composed = params.compose([], conf)
+    plan = planning.build_plan(composed, profiles, metrics)
+    epochs = composed["drafter"]["epochs"]
     cpu = plan["profiles"]["cpu"]
     assert cpu["throughput"]["generate_tok_s"]["value"] == 96.0
     assert plan["inputs"]["completion_tokens"]["value"] == 96.0  # 3,456 / 36
     assert plan["inputs"]["prompt_tokens"]["value"] == 100.0  # 3,600 / 36
     assert cpu["stages"]["generate"]["seconds"] == pytest.approx(40 * 96 / 96)
     assert cpu["throughput"]["train_online_tok_s"]["kind"] == "measured"
-    assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(6 * 36 * 196 / 1500)
+    assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(epochs * 36 * 196 / 1500)
     # Offline needs extraction, which nobody measured on a CPU.
     assert cpu["total"]["offline"]["seconds"] is None
-    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 + 6 * 36 * 196 / 1500)
+    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 + epochs * 36 * 196 / 1500)
 
 
 def test_broken_or_partial_metrics_fall_back_with_notes(tmp_path, seed_params, profiles):

@@ -345,6 +345,17 @@ def thinking_format_rate(
 # --- the whole build ------------------------------------------------------------------------
 
 
+def _drop_library_version(folder: Path) -> None:
+    """Remove `transformers_version` from the saved configs: the fixture's bytes should depend
+    on what was built, not on the transformers release that happened to write them."""
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data.pop("transformers_version", None)
+            atomic.write_json(path, data)
+
+
 def build(
     out_dir: str | Path, config: BuildConfig = BuildConfig(), progress: bool = True
 ) -> dict[str, Any]:
@@ -365,6 +376,7 @@ def build(
         tmp.mkdir()
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp)
+        _drop_library_version(tmp)
         atomic.write_json(tmp / "build_config.json", asdict(config))
     response_lengths = [len(e.input_ids) - e.num_prompt for e in encoded]
     return {
