@@ -80,3 +80,32 @@ def write_parquet(path: str | os.PathLike[str], table: Any) -> None:
 
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd", write_statistics=True)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: dict[str, Any], metadata: dict[str, str]
+) -> None:
+    """Write tensors with safetensors, atomically and byte-identical across runs.
+
+    safetensors keeps `metadata` in a hash map, so its keys land in the header in a different
+    order in each process: the same tensors would hash differently to DVC on every run. The
+    header is rewritten in place with sorted keys; it keeps its length (the padding is spaces,
+    as safetensors pads), so the data offsets stay valid.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        _sort_safetensors_header(tmp)
+        tmp.chmod(0o644)  # like any other output file, not the temporary's 0600
+
+
+def _sort_safetensors_header(path: Path) -> None:
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        if len(canonical) > size:  # only if serde's escaping were shorter than Python's
+            raise RuntimeError(f"{path}: sorted safetensors header does not fit ({size} bytes)")
+        f.seek(8)
+        f.write(canonical.ljust(size, b" "))

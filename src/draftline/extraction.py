@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftline import distributed
-from draftline.atomic import atomic_path, write_json
+from draftline.atomic import write_json, write_safetensors
 from draftline.features import target_layer_states
 from draftline.loss_mask import loss_mask
 
@@ -220,8 +220,6 @@ def write_pack(
     fp: str,
 ) -> int:
     """Write one pack atomically; returns its size in bytes."""
-    from safetensors.torch import save_file
-
     lengths = torch.tensor([len(ids) for ids, _ in rows], dtype=torch.int64)
     tensors = {
         "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32),
@@ -235,9 +233,7 @@ def write_pack(
         "fingerprint": fp,
         "format": str(FORMAT_VERSION),
     }
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-        tmp.chmod(0o644)  # like any other output file, not the temporary's 0600
+    write_safetensors(path, tensors, metadata)
     return path.stat().st_size
 
 
