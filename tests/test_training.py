@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def test_killed_run_resumes_and_matches_the_uninterrupted_one(workdir, single_ru
     proc.wait()
     killed_at = torch.load(checkpoint, weights_only=False)["step"]
     assert 3 <= killed_at < 35 and not (run / "drafter").exists()
-
+    shutil.rmtree(run / "live")  # DVC deletes a stage's plots before it reruns the stage
     run_stage(workdir, "killed", processes=1, micro=4)
     import json
 
@@ -145,3 +146,21 @@ def test_killed_run_resumes_and_matches_the_uninterrupted_one(workdir, single_ru
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_rerun_after_the_last_checkpoint_rewrites_plots_and_metrics(workdir, single_run):
+    """DVC reruns a finished train stage when an input's bytes change but not its content: the
+    checkpoint is complete, so no step runs, and the plots and throughput still come out whole."""
+    import json
+
+    before = json.loads((single_run / "train.json").read_text())
+    curve = loss_curve(single_run)
+    shutil.rmtree(single_run / "live")
+    (single_run / "train.json").unlink()
+    run_stage(workdir, "single", processes=1, micro=4)
+    after = json.loads((single_run / "train.json").read_text())
+    assert loss_curve(single_run) == curve
+    assert after["resumed_from_step"] == after["steps"] == before["steps"]
+    assert after["tokens_this_run"] == 0
+    assert after["tokens_per_s"] == before["tokens_per_s"] > 0
+    assert after["final_loss"] == before["final_loss"]

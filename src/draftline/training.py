@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
 import json
 import math
@@ -89,12 +88,13 @@ class TrainResult:
     drafter: DFlashDrafter
     steps: int
     history: list[dict[str, float]]
-    tokens: int
-    seconds: float
+    tokens: int  # over every run that led here (a resumed run adds to the checkpoint's)
+    seconds: float  # step time, likewise
     num_sequences: int
     dropped_sequences: int
     world_size: int
     resumed_from_step: int
+    tokens_this_run: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -287,19 +287,23 @@ def load_checkpoint(path: Path | None, fingerprint: str) -> dict[str, Any] | Non
 
 
 class Metrics:
-    """dvclive on the main process (`Live(dir, dvcyaml=False)`: dvc.yaml declares the plots)."""
+    """dvclive on the main process (`Live(dir, dvcyaml=False)`: dvc.yaml declares the plots).
 
-    def __init__(self, live_dir: Path | None, start_step: int, enabled: bool) -> None:
+    A resumed run rewrites the plots from the checkpoint's history: DVC deletes a stage's plots
+    before it reruns the stage, and rows logged after the checkpoint are redone anyway.
+    """
+
+    def __init__(
+        self, live_dir: Path | None, history: list[dict[str, float]], enabled: bool
+    ) -> None:
         self.live = None
         if live_dir is None or not enabled:
             return
         from dvclive import Live
 
-        resume = start_step > 0
-        if resume:
-            _truncate_live_plots(live_dir, start_step)
-        self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False, resume=resume)
-        self.live.step = start_step
+        self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False)
+        for step, record in enumerate(history):
+            self.log(step, record)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if self.live is None:
@@ -311,20 +315,6 @@ class Metrics:
     def close(self) -> None:
         if self.live is not None:
             self.live.end()
-
-
-def _truncate_live_plots(live_dir: Path, start_step: int) -> None:
-    """Drop rows logged after the checkpoint a resumed run starts from (they are redone)."""
-    for tsv in (live_dir / "plots" / "metrics").rglob("*.tsv"):
-        with open(tsv, encoding="utf-8", newline="") as f:
-            rows = list(csv.reader(f, delimiter="\t"))
-        if not rows:
-            continue
-        header, body = rows[0], rows[1:]
-        step_col = header.index("step")
-        kept = [r for r in body if int(r[step_col]) < start_step]
-        with atomic.atomic_path(tsv) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
-            csv.writer(f, delimiter="\t", lineterminator="\n").writerows([header, *kept])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,19 +371,20 @@ def train(
     )
     fingerprint = run_fingerprint(model, hp, data)
     state = load_checkpoint(run.checkpoint_path, fingerprint)
-    start_step, history = 0, []
+    start_step, history, tokens, seconds = 0, [], 0, 0.0
     if state is not None:
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         start_step, history = int(state["step"]), list(state["history"])
+        tokens, seconds = int(state.get("tokens", 0)), float(state.get("seconds", 0.0))
     trained = drafter
     if world.size > 1:
         trained = torch.nn.parallel.DistributedDataParallel(
             drafter, device_ids=[device.index] if device.type == "cuda" else None
         )
 
-    metrics = Metrics(run.live_dir, start_step, world.is_main)
+    metrics = Metrics(run.live_dir, history, world.is_main)
     bar = tqdm(
         total=total_steps,
         initial=start_step,
@@ -401,7 +392,7 @@ def train(
         unit="step",
         disable=not (run.progress and world.is_main),
     )
-    tokens, seconds = 0, 0.0
+    tokens_before = tokens
     mask_id = drafter.config.mask_token_id
     try:
         for step in range(start_step, total_steps):
@@ -479,6 +470,8 @@ def train(
                             "optimizer": optimizer.state_dict(),
                             "schedule": schedule.state_dict(),
                             "history": history,
+                            "tokens": tokens,
+                            "seconds": seconds,
                         },
                     )
                 if world.size > 1:
@@ -492,6 +485,7 @@ def train(
         history=history,
         tokens=tokens,
         seconds=seconds,
+        tokens_this_run=tokens - tokens_before,
         num_sequences=len(data),
         dropped_sequences=data.dropped,
         world_size=world.size,

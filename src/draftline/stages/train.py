@@ -85,7 +85,7 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "final_accuracy": last.get("acc"),
         "final_accuracy_per_position": [last.get(f"acc_pos/{k}") for k in range(1, hp.block_size)],
         "first_loss": result.history[0]["loss"] if result.history else None,
-        "tokens_this_run": result.tokens,
+        "tokens_this_run": result.tokens_this_run,
         "seconds": round(result.seconds, 3),
         "tokens_per_s": result.tokens_per_s,
         "world_size": result.world_size,
