@@ -1,0 +1,123 @@
+"""Export: the DFlash checkpoint folder (config.json + safetensors) loads back and drafts alike.
+
+The serving engines (SGLang `--speculative-algorithm DFLASH`, vLLM, the reference
+implementation) build the draft layers as Qwen3 decoder layers from `config.json` and take the
+embedding and lm_head from the target. Without a GPU to run them, the format is checked against
+transformers' own Qwen3 built from the exported config: every draft-layer weight must have the
+name and shape that model gives it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_dflash_model import BLOCK, HIDDEN, VOCAB
+from test_dflash_model import make_drafter as make_model_drafter
+from transformers import AutoConfig, Qwen3Model
+
+from draftline.dflash import DFlashDrafter
+from draftline.export import export_drafter, load_drafter
+
+torch.set_num_threads(1)
+
+LAYERS = 2
+TARGET_LAYER_IDS = [0, 1, 2]  # those of test_dflash_model.make_drafter
+# config.json fields that SGLang, vLLM and the reference read (REFERENCE §2).
+REQUIRED_FIELDS = (
+    "architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "layer_types", "rope_theta", "vocab_size", "rms_norm_eps",
+)  # fmt: skip
+
+
+def make_drafter(seed: int = 0) -> DFlashDrafter:
+    drafter = make_model_drafter(seed, layers=LAYERS)
+    with torch.no_grad():  # norms start at 1: perturb them so a lost weight would show
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return drafter
+
+
+def drafts(drafter: DFlashDrafter) -> torch.Tensor:
+    """Block hidden states for two sequences of four anchors each."""
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 40, len(TARGET_LAYER_IDS) * HIDDEN, generator=g)
+    anchors = torch.tensor([[3, 10, 20, 30], [0, 6, 7, 35]])
+    anchor_ids = torch.randint(0, VOCAB - 1, (2, 4), generator=g)
+    with torch.no_grad():
+        return drafter(feats, drafter.block_input_ids(anchor_ids), anchors)
+
+
+def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+
+def test_fp32_export_loads_back_with_identical_outputs(tmp_path: Path) -> None:
+    drafter = make_drafter()
+    folder = export_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+    loaded = load_drafter(folder, drafter.target)
+    assert torch.equal(drafts(loaded), drafts(drafter))
+
+
+def test_bf16_export_is_the_drafter_with_bf16_weights(tmp_path: Path) -> None:
+    drafter = make_drafter()
+    folder = export_drafter(drafter, tmp_path / "drafter")
+    assert {t.dtype for t in saved_tensors(folder).values()} == {torch.bfloat16}
+    rounded = make_drafter()
+    rounded.load_state_dict(
+        {k: v.to(torch.bfloat16).float() for k, v in drafter.state_dict().items()}
+    )
+    loaded = load_drafter(folder, drafter.target)
+    assert torch.equal(drafts(loaded), drafts(rounded))
+    # ... and close to the fp32 drafter it came from.
+    assert torch.allclose(drafts(loaded), drafts(drafter), atol=0.05, rtol=0.05)
+
+
+def test_config_has_the_dflash_fields(tmp_path: Path) -> None:
+    folder = export_drafter(make_drafter(), tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    missing = [f for f in REQUIRED_FIELDS if f not in config]
+    assert not missing, missing
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["model_type"] == "qwen3"
+    assert config["block_size"] == BLOCK
+    assert config["dflash_config"] == {
+        "mask_token_id": VOCAB - 1,
+        "target_layer_ids": TARGET_LAYER_IDS,
+    }
+    assert config["layer_types"] == ["full_attention"] * LAYERS
+    assert config["dtype"] == "bfloat16"
+
+
+def test_weights_have_the_names_and_shapes_of_qwen3_layers(tmp_path: Path) -> None:
+    folder = export_drafter(make_drafter(), tmp_path / "drafter")
+    saved = saved_tensors(folder)
+    assert not [n for n in saved if "embed" in n or "lm_head" in n]
+    k = len(TARGET_LAYER_IDS)
+    assert saved.pop("fc.weight").shape == (HIDDEN, k * HIDDEN)
+    assert saved.pop("hidden_norm.weight").shape == (HIDDEN,)
+    # transformers' Qwen3 built from the exported config.json: its decoder layers and final
+    # norm are what the engines instantiate for the drafter.
+    reference = Qwen3Model(AutoConfig.from_pretrained(folder)).state_dict()
+    expected = {
+        name: tuple(t.shape) for name, t in reference.items() if not name.startswith("embed")
+    }
+    assert {name: tuple(t.shape) for name, t in saved.items()} == expected
+
+
+def test_loading_a_checkpoint_with_a_missing_weight_fails(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    drafter = make_drafter()
+    folder = export_drafter(drafter, tmp_path / "drafter")
+    saved = saved_tensors(folder)
+    del saved["layers.1.self_attn.k_norm.weight"]
+    save_file(saved, str(folder / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="k_norm"):
+        load_drafter(folder, drafter.target)
