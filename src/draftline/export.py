@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from draftline.atomic import atomic_path
+from draftline.atomic import atomic_path, write_safetensors
 from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
 
 CONFIG_FILE = "config.json"
@@ -39,7 +39,7 @@ def export_drafter(
         (tmp / CONFIG_FILE).write_text(
             json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_safetensors(tmp / WEIGHTS_FILE, weights, metadata={"format": "pt"})
     return Path(folder)
 
 
