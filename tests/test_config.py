@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,25 @@ def test_inconsistent_shard_list_names_the_fix(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"data": {"num_shards": 3, "shard_ids": [0, 1]}}))
     with pytest.raises(SystemExit, match="draftline compose data.num_shards=3"):
         params.load(path)
+
+
+def test_target_id_follows_the_files_not_their_folder(tmp_path: Path, tiny_target_dir: Path):
+    from draftline.resolvers import target_id
+
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(tiny_target_dir, copy)
+    assert target_id(str(copy)) == target_id(str(tiny_target_dir))
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert target_id(str(copy)) != target_id(str(tiny_target_dir))
+    assert target_id("Qwen/Qwen3-8B", "abc123") == "hub:Qwen/Qwen3-8B@abc123"
+
+
+def test_composed_target_id_is_the_hash_of_the_target_folder(repo_root: Path, monkeypatch) -> None:
+    from draftline.resolvers import target_id
+
+    monkeypatch.chdir(repo_root)  # model.path is relative to the repository root
+    composed = params.compose([], repo_root / "conf")
+    assert composed["model"]["target_id"] == target_id(str(repo_root / "models/tiny-target"))

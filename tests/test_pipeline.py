@@ -138,3 +138,33 @@ def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     assert metrics["passed"] is False
     assert not (repo / "data/validated/verdict.json").exists()
     assert not (repo / "data/extracted").exists()
+
+
+def test_target_is_keyed_by_its_files_not_its_path(finished, tmp_path):
+    """The same weights in another folder rerun nothing; one changed weight byte reruns all."""
+    repo, _ = finished
+    elsewhere = tmp_path / "tiny-target-copy"
+    shutil.copytree(repo / "models/tiny-target", elsewhere)
+    try:
+        run(["draftline", "compose", f"model.path={elsewhere}"], repo)
+        assert yaml.safe_load((repo / "params.yaml").read_text())["model"]["path"] == str(elsewhere)
+        assert json.loads(run(["dvc", "status", "--json"], repo).stdout) == {}
+        weights = elsewhere / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1  # the last byte belongs to a tensor, not to the header
+        weights.write_bytes(bytes(data))
+        run(["draftline", "compose", f"model.path={elsewhere}"], repo)
+        stale = set(json.loads(run(["dvc", "status", "--json"], repo).stdout))
+        assert {"curate", "generate@0", "generate_eval", "extract", "train", "evaluate"} <= stale
+    finally:
+        run(["draftline", "compose"], repo)
+
+
+def test_exp_run_with_another_shard_count_derives_the_shard_ids(tmp_path):
+    """`-S data.num_shards=8` composes shard_ids [0..7] with it: curate writes 8 shards (before,
+    params held 8 shards and 4 ids, and curate failed after DVC had deleted its outputs)."""
+    repo = copy_project(tmp_path)
+    run(["dvc", "exp", "run", "-S", "data.num_shards=8", "curate"], repo)
+    assert yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"] == list(range(8))
+    shards = sorted(p.name for p in (repo / "data/curated/train").iterdir())
+    assert shards == [f"shard-{k}.parquet" for k in range(8)]

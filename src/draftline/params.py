@@ -21,21 +21,16 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf")
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    from draftline.resolvers import register
+
+    register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(Path(config_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
     OmegaConf.resolve(cfg)
     data = OmegaConf.to_container(cfg)
     assert isinstance(data, dict)
-    _fill_shard_ids(data)
     return data
-
-
-def _fill_shard_ids(data: dict[str, Any]) -> None:
-    # DVC's foreach needs an explicit list; derive it from num_shards so users set one number.
-    data_cfg = data.get("data") or {}
-    if "num_shards" in data_cfg:
-        data_cfg["shard_ids"] = list(range(int(data_cfg["num_shards"])))
 
 
 def to_yaml(data: dict[str, Any]) -> str:
