@@ -12,6 +12,7 @@ passes: the two are the same definition, so a disagreement is a bug and fails sa
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from draftline import atomic, quality
+from draftline import atomic, data_docs, quality
 from draftline.quality import Check, CheckResult
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def run_suite(
                     }
                 )
             gx_results.update(_results_by_check(outcome))
+        data_docs.make_offline(tmp_docs)
     results = [_merge(c, c.evaluate(frames[c.rows]), gx_results.get(c.name)) for c in checks]
     passed = all(r.passed for r in results)
     results_path = report / "results.json"
@@ -139,8 +141,9 @@ def _run_checkpoint(
         suite.add_expectation(
             expectation_class(
                 **first.kwargs,
-                description="; ".join(
-                    f"{c.name}: {c.description}, required {c.bound}" for c in group
+                # GX puts descriptions into Data Docs as raw HTML: "<think>" would vanish.
+                description=html.escape(
+                    "; ".join(f"{c.name}: {c.description}, required {c.bound}" for c in group)
                 ),
                 meta={"checks": [c.name for c in group]},
             )
