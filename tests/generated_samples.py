@@ -104,7 +104,7 @@ def write_generated(
     with_hash: bool = True,
 ) -> list[Path]:
     """Write `frame` as the generated train shards under `root` (round-robin by row), and the
-    curate metrics and params.yaml validate reads. `curated_rows` defaults to the shard sizes."""
+    curate summary and params.yaml validate reads. `curated_rows` defaults to the shard sizes."""
     folder = root / "data" / "generated" / "train"
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -114,7 +114,7 @@ def write_generated(
         sizes.append(len(part))
         paths.append(folder / f"shard-{k}.parquet")
         pq.write_table(_arrow(part, with_hash), paths[-1])
-    metrics = root / "metrics" / "curate.json"
+    metrics = root / "data" / "curated" / "summary.json"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     rows = curated_rows if curated_rows is not None else sizes
     metrics.write_text(json.dumps({"train_rows": sum(rows), "shard_rows": _by_shard(rows)}))

@@ -424,7 +424,17 @@ def stage_args(params: Path, out: Path, metrics: Path) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     stage.add_arguments(parser)
     return parser.parse_args(
-        ["--params", str(params), "--out", str(out), "--metrics", str(metrics), "--no-progress"]
+        [
+            "--params",
+            str(params),
+            "--out",
+            str(out),
+            "--metrics",
+            str(metrics),
+            "--no-progress",
+            "--run-log",
+            str(metrics.with_suffix(".run.json")),
+        ]  # fmt: skip
     )
 
 
@@ -463,7 +473,9 @@ def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_t
     )
     assert f"{out}/rejected.parquet" in err and "data.max_reject_rate" in err
     metrics = json.loads(metrics_path.read_text())
-    assert metrics["rows_rejected"] == 15 and metrics["rejected_by_reason"]["malformed_json"] == 15
+    assert metrics["rows_rejected"] == 15 and set(metrics) == set(stage.RESULT_KEYS)
+    summary = json.loads((out / "summary.json").read_text())  # the details, cached with the data
+    assert summary["rejected_by_reason"]["malformed_json"] == 15 and "shard_rows" in summary
 
     params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.5)
     assert stage.run(stage_args(params, out, metrics_path)) == 0
@@ -480,8 +492,8 @@ def test_two_runs_give_byte_identical_outputs(tmp_path, tiny_target_dir):
         outputs.append(out)
     files = sorted(p.relative_to(outputs[0]) for p in outputs[0].rglob("*") if p.is_file())
     assert [f.as_posix() for f in files] == [
-        "eval.parquet", "rejected.parquet", "train/shard-0.parquet", "train/shard-1.parquet",
-        "train/shard-2.parquet",
+        "eval.parquet", "rejected.parquet", "summary.json", "train/shard-0.parquet",
+        "train/shard-1.parquet", "train/shard-2.parquet",
     ]  # fmt: skip
     for f in files:
         assert (outputs[0] / f).read_bytes() == (outputs[1] / f).read_bytes(), f

@@ -121,11 +121,15 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
         assert row["finish_reason"] in ("stop", "length")
         assert row["engine"].startswith("local:transformers-")
         assert json.loads(row["sampling"])["max_new_tokens"] == 12
-    metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
+    metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
     assert metrics["samples"] == 24 and metrics["errors"] == 0
     assert metrics["output_tokens"] == sum(r["num_completion_tokens"] for r in table)
     assert metrics["output_tok_s"] > 0 and metrics["hardware_profile"] == "cpu"
     assert not (tmp_path / ".draftline/journal/generate/shard-0.jsonl").exists()
+    throughput = json.loads((tmp_path / "metrics/throughput.json").read_text())
+    assert (
+        throughput["generate"]["tokens_per_s"] > 0 and not (tmp_path / "metrics/generate").exists()
+    )
     # The eval split goes through the same runner.
     proc = run_generate(tmp_path, "--eval")
     assert proc.returncode == 0, proc.stdout + proc.stderr

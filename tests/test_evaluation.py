@@ -24,6 +24,7 @@ from draftline.evaluation import (
     walk_step_by_step,
 )
 from draftline.features import target_layer_states
+from draftline.stages import evaluate as evaluate_stage
 
 torch.set_num_threads(1)
 B = 4
@@ -205,10 +206,13 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     code = main([
         "evaluate", f"--params={tmp_path / 'params.yaml'}", f"--eval={eval_file}",
         f"--drafter={tmp_path / 'drafter'}", f"--metrics={tmp_path / 'evaluate.json'}",
-        f"--plots={plots}",
+        f"--plots={plots}", f"--run-log={tmp_path / 'run.json'}",
     ])  # fmt: skip
     assert code == 0
-    m = json.loads((tmp_path / "evaluate.json").read_text())
+    m = json.loads((tmp_path / "run.json").read_text())  # the full record
+    assert json.loads((tmp_path / "evaluate.json").read_text()) == {
+        k: m[k] for k in evaluate_stage.RESULT_KEYS
+    }
     assert m["num_prompts"] == 5 and m["hardware_profile"] == "cpu"
     for key in ("tau", "tau_untrained"):
         assert 1.0 <= m[key] <= B

@@ -248,7 +248,7 @@ def test_two_processes_write_the_same_packs_as_one(offline_dir, shards, model, t
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    metrics = json.loads((two / "metrics/extract.json").read_text())
+    metrics = json.loads((two / "logs/runs/extract.json").read_text())  # the full record
     assert metrics["world_size"] == 2 and metrics["hardware_profile"] == "cpu"
     assert metrics["num_sequences"] == 50 and metrics["tokens_per_s"] > 0
     assert metrics["bytes_per_token"] == metrics["bytes_written"] / metrics["num_tokens"]

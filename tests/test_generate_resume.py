@@ -89,7 +89,7 @@ def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
     assert not asked_after & set(done_before)  # finished samples were not generated again
     assert asked_after | set(done_before) == set(ids)
     assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)
-    metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
+    metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
     assert metrics["resumed_samples"] == len(done_before)
     assert metrics["generated_samples"] == len(ids) - len(done_before)
     assert not (tmp_path / JOURNAL).exists()  # removed once the output is in place
@@ -113,7 +113,7 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids
-    metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
+    metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
     assert metrics["resumed_samples"] == len(done_before)
     assert metrics["generated_samples"] == len(ids) - len(done_before)
 

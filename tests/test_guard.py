@@ -224,7 +224,7 @@ def test_shard_through_the_standin_aborts_early_and_keeps_its_journal(
     assert min_samples <= len(set(asked)) < n / 3
     # Nothing half-written in place; the journal keeps every sample that finished.
     assert not (tmp_path / "data/generated/train/shard-0.parquet").exists()
-    assert not (tmp_path / "metrics/generate/shard-0.json").exists()
+    assert not (tmp_path / "logs/runs/generate/shard-0.json").exists()
     journaled, lines = resumable(tmp_path / JOURNAL)
     assert len(journaled) == lines >= min_samples  # one record per finished sample
     assert set(journaled) <= set(ids) and set(journaled) <= set(asked)

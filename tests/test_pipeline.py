@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,92 @@ def test_exp_show_lists_stage_metrics(finished):
     repo, _ = finished
     shown = run(["dvc", "exp", "show", "--json"], repo).stdout
     assert "rows_kept" in shown and "tau" in shown
+
+
+# Metric columns of `dvc exp show`: five stages of about ten results each and three tokens/s
+# figures. They must not grow with data.num_shards or the block size (they were 291 of 416
+# columns with 4 shards: per-shard generate files, per-position rates, timings, hardware).
+MAX_METRIC_COLUMNS = 60
+RUN_FACTS = ("seconds", "wall", "hardware_", "engine", "precision", "world_size", "this_run")
+
+
+def leaves(data: object, prefix: str = "") -> list[str]:
+    if isinstance(data, dict):
+        return [leaf for k, v in data.items() for leaf in leaves(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")]
+
+
+def tracked_outputs(repo: Path) -> dict[str, bytes]:
+    """Bytes of every file git would track from a run (metrics, plots, dvclive)."""
+    return {
+        str(p.relative_to(repo)): p.read_bytes()
+        for top in ("metrics", "plots", "dvclive")
+        for p in sorted((repo / top).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_exp_show_is_narrow_and_a_rerun_changes_no_result(finished):
+    repo, _ = finished
+    rows = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+    metrics = rows[0]["data"]["metrics"]
+    columns = [f"{path}:{c}" for path, m in metrics.items() for c in leaves(m["data"])]
+    assert len(columns) < MAX_METRIC_COLUMNS, columns
+    assert not [c for c in columns if any(fact in c for fact in RUN_FACTS)]
+    assert "metrics/throughput.json:train.tokens_per_s" in columns
+    assert "metrics/evaluate.json:tau" in columns
+    assert (repo / "logs/runs/train.json").is_file()  # the timings are kept, outside git
+
+    before = tracked_outputs(repo)
+    stages = ["curate", "generate@0", "validate", "extract", "evaluate"]
+    assert ran_stages(run(["dvc", "repro", "-f", "-s", *stages], repo).stdout) == stages
+    after = tracked_outputs(repo)
+    changed = {p for p in before.keys() | after.keys() if before.get(p) != after.get(p)}
+    assert changed <= {"metrics/throughput.json"}  # the one measured figure: generate tok/s
+    assert json.loads(run(["dvc", "status", "--json"], repo).stdout) == {}
+
+
+def test_readme_compare_recipes_run_and_fit_a_terminal(finished):
+    repo, _ = finished
+    section = (ROOT / "README.md").read_text().split("## Compare runs", 1)[1]
+    block = section.split("```")[1]
+    commands = [shlex.split(line) for line in block.splitlines() if line.startswith("dvc ")]
+    assert len(commands) == 2
+    header = run([*commands[0], "--csv"], repo).stdout.splitlines()[0].split(",")
+    assert len(header) <= 16, header
+    assert {"tau", "final_loss", "rows_kept", "train.tokens_per_s"} <= set(header)
+    for command in commands:
+        run(command, repo)
+
+
+PLOT_IDS = {
+    "train_loss", "train_accuracy", "train_accuracy_per_position", "train_lr", "train_grad_norm",
+    "validate_supervised_tokens", "validate_completion_length", "evaluate_acceptance",
+    "evaluate_tau_histogram",
+}  # fmt: skip
+HISTOGRAMS = {"validate_supervised_tokens", "evaluate_tau_histogram"}
+
+
+def test_plots_are_titled_with_named_axes(finished):
+    repo, _ = finished
+    shown = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)
+    assert not shown.get("errors"), shown.get("errors")
+    charts = shown["data"]
+    assert set(charts) == PLOT_IDS
+    for plot_id, (chart,) in charts.items():
+        spec = chart["content"]
+        title = spec["title"]["text"] if isinstance(spec["title"], dict) else spec["title"]
+        assert title and title != plot_id and "/" not in title, plot_id
+        for axis in ("x", "y"):
+            label = spec["encoding"][axis]["title"]
+            # Real words, not a column name such as "3", "y" or "dvc_inferred_y_value".
+            assert len(label.split()) >= 2, (plot_id, axis, label)
+        mark = spec["mark"]["type"] if isinstance(spec["mark"], dict) else spec["mark"]
+        assert (mark == "bar") == (plot_id in HISTOGRAMS), (plot_id, mark)
+        assert spec["data"]["values"], plot_id
+    per_position = charts["train_accuracy_per_position"][0]["content"]
+    positions = {row["position"] for row in per_position["data"]["values"]}
+    assert positions == {str(k) for k in range(1, 8)}  # block size 8: positions 1..7, one chart
 
 
 def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finished):

@@ -60,8 +60,10 @@ def stage_command(root: Path, name: str, processes: int, micro: int) -> list[str
     return [
         sys.executable, "-m", "draftline", "train", "--no-progress",
         f"--params={write_params(root, name, processes, micro)}", f"--data={root / 'data'}",
-        f"--out={run / 'drafter'}", f"--metrics={run / 'train.json'}",
-        f"--live={run / 'live'}", f"--checkpoint={run / 'checkpoint.pt'}",
+        f"--out={run / 'drafter'}", f"--metrics={run / 'metrics.json'}",
+        f"--run-log={run / 'train.json'}", f"--throughput={run / 'throughput.json'}",
+        f"--live={run / 'live'}", f"--plots={run / 'plots'}",
+        f"--checkpoint={run / 'checkpoint.pt'}",
         "--checkpoint-every=1",
     ]  # fmt: skip
 
@@ -155,11 +157,15 @@ def test_rerun_after_the_last_checkpoint_rewrites_plots_and_metrics(workdir, sin
 
     before = json.loads((single_run / "train.json").read_text())
     curve = loss_curve(single_run)
+    per_position = (single_run / "plots" / "accuracy_per_position.csv").read_text()
+    assert per_position.count("\n") == 1 + before["steps"] * (DRAFTER["block_size"] - 1)
     shutil.rmtree(single_run / "live")
+    shutil.rmtree(single_run / "plots")
     (single_run / "train.json").unlink()
     run_stage(workdir, "single", processes=1, micro=4)
     after = json.loads((single_run / "train.json").read_text())
     assert loss_curve(single_run) == curve
+    assert (single_run / "plots" / "accuracy_per_position.csv").read_text() == per_position
     assert after["resumed_from_step"] == after["steps"] == before["steps"]
     assert after["tokens_this_run"] == 0
     assert after["tokens_per_s"] == before["tokens_per_s"] > 0

@@ -7,6 +7,8 @@ import argparse
 import csv
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +46,11 @@ def workdir(tmp_path, monkeypatch):
 
 def run_stage(root: Path) -> tuple[int, dict]:
     rc = stage.run(stage_args())
-    return rc, json.loads((root / "metrics" / "validate.json").read_text())
+    # The full summary: what metrics/validate.json holds and every check and shard.
+    summary = json.loads((root / "reports" / "validate" / "summary.json").read_text())
+    metrics = json.loads((root / "metrics" / "validate.json").read_text())
+    assert metrics == {k: summary[k] for k in stage.RESULT_KEYS}
+    return rc, summary
 
 
 def test_healthy_data_passes_and_writes_every_output(workdir):
@@ -110,7 +116,7 @@ def test_seed_pathology_fails_naming_the_expectation(workdir):
     assert "FAILED" in proc.stderr
     assert not stale.exists()
 
-    metrics = json.loads((workdir / "metrics" / "validate.json").read_text())
+    metrics = json.loads((workdir / "reports" / "validate" / "summary.json").read_text())
     assert metrics["passed"] is False
     assert metrics["checks"]["supervised_tokens_mode_share"]["observed"] == pytest.approx(0.87)
     # The histogram shows the spike at 6.
@@ -198,3 +204,54 @@ def test_gx_and_pandas_measure_the_same(tmp_path):
     assert {c["name"] for c in saved["checks"] if not c["passed"]} == {
         r.name for r in quality.failures(measured)
     }
+
+
+@pytest.fixture
+def data_docs(workdir) -> Path:
+    write_generated(workdir, samples_frame(300), NUM_SHARDS)
+    rc, _ = run_stage(workdir)
+    assert rc == 0
+    return workdir / "reports" / "validate" / "data_docs"
+
+
+REMOTE_ASSET = re.compile(
+    r"<(?:script|link|img)\b[^>]*\b(?:src|href)\s*=\s*[\"']https?://|url\([\"']?https?://", re.I
+)
+
+
+def test_data_docs_need_no_network_and_show_think_escaped(data_docs):
+    pages = sorted(data_docs.rglob("*.html"))
+    assert len(pages) == 5  # index, two suites, two validation runs
+    for page in pages:
+        text = page.read_text()
+        assert not REMOTE_ASSET.findall(text), (page, REMOTE_ASSET.findall(text))
+        assert "static/styles/offline.css" in text
+    assert (data_docs / "static" / "images" / "logo-long.png").stat().st_size > 0
+    answered = next((data_docs / "validations").rglob("draftline_answered_rows*.html")).read_text()
+    assert "with a &lt;think&gt;...&lt;/think&gt; block" in answered
+    assert "<think>" not in answered
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on this machine (apt-get install chromium)"
+)
+def test_data_docs_render_in_a_browser_without_network(data_docs, tmp_path):
+    """Headless Chromium with every host unresolvable, as on an offline node: the validation
+    page renders its checks, and the description shows "<think>" as text."""
+    page = next((data_docs / "validations").rglob("draftline_answered_rows*.html"))
+    done = subprocess.run(
+        [
+            CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--dump-dom", page.as_uri(),
+        ],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert "think_block_share" in dom and "supervised_tokens_min" in dom
+    assert "&lt;think&gt;...&lt;/think&gt;" in dom  # a text node, not a swallowed element
+    assert "<think>" not in dom

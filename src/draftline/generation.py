@@ -59,7 +59,7 @@ class ShardPaths:
     name: str  # "shard-3", "eval": for messages and the progress bar
     curated: Path
     output: Path
-    metrics: Path
+    run_log: Path  # the shard's record (counts, timings, hardware): logs/runs/, not a DVC metric
     journal: Path
 
 
@@ -221,7 +221,7 @@ def run_shard(
             "model": identity.model,
         }
     )
-    atomic.write_json(paths.metrics, metrics)
+    atomic.write_json(paths.run_log, metrics)
     journal.remove()  # the output is in place: nothing left to resume
     return metrics
 

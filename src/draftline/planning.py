@@ -306,7 +306,7 @@ def profile_throughput(
         for f, m in (metrics.get("generate") or {}).items()
         if _usable(m, model) and _measured_on(m, run_profile) == name
     }
-    rate = _generation_rate(generated)
+    rate = generation_rate(list(generated.values()))
     if rate:
         files = sorted(generated)
         where = files[0] if len(files) == 1 else f"{len(files)} files: {files[0]} ... {files[-1]}"
@@ -329,7 +329,7 @@ def profile_throughput(
     return out
 
 
-def _generation_rate(shards: dict[str, dict[str, Any]]) -> float | None:
+def generation_rate(shards: list[dict[str, Any]]) -> float | None:
     """Whole-node output tok/s over the shards' wall time.
 
     Shards run one after another against all of a node's engines, so wall times add up. This
@@ -340,14 +340,14 @@ def _generation_rate(shards: dict[str, dict[str, Any]]) -> float | None:
         ("generated_output_tokens", "run_wall_s"),
         ("output_tokens", "wall_s"),
     ):
-        pairs = [(_get(m, tokens_key), _get(m, wall_key)) for m in shards.values()]
+        pairs = [(_get(m, tokens_key), _get(m, wall_key)) for m in shards]
         if pairs and all(tok is not None and wall for tok, wall in pairs):
             tokens, wall = sum(tok for tok, _ in pairs), sum(wall for _, wall in pairs)
             if tokens:
                 return tokens / wall
     weighted = [
         (_get(m, "output_tokens") or 0, _get(m, "output_tok_s"))
-        for m in shards.values()
+        for m in shards
         if _get(m, "output_tok_s")
     ]
     weight = sum(w for w, _ in weighted)

@@ -461,9 +461,10 @@ def gather_logs(root: Path, dest: Path, secrets: list[str]) -> list[str]:
 
 
 def gather_metrics(root: Path) -> dict[str, Any]:
-    """Every stage metrics file (`metrics/**/*.json`, docs/pipeline.md), by path."""
+    """Every stage metrics file and run log (`metrics/**/*.json`, `logs/runs/**/*.json`)."""
     found: dict[str, Any] = {}
-    for path in sorted((root / "metrics").rglob("*.json")):
+    paths = [*(root / "metrics").rglob("*.json"), *(root / "logs" / "runs").rglob("*.json")]
+    for path in sorted(paths):
         try:
             found[str(path.relative_to(root))] = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:

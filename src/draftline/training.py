@@ -40,6 +40,7 @@ from draftline.objective import (
 )
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+POSITION_PREFIX = "acc_pos/"  # history keys acc_pos/1 .. acc_pos/B-1: accuracy per position
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,8 @@ class Metrics:
             return
         self.live.step = step
         for name, value in values.items():
-            self.live.log_metric(name, value)
+            if not name.startswith(POSITION_PREFIX):  # charted from one table (stages/train.py)
+                self.live.log_metric(name, value)
 
     def close(self) -> None:
         if self.live is not None:
@@ -529,5 +531,5 @@ def _step_record(
         "grad_norm": grad_norm,
     }
     for k in range(1, block):
-        record[f"acc_pos/{k}"] = float(correct[k] / counted[k].clamp(min=1))
+        record[f"{POSITION_PREFIX}{k}"] = float(correct[k] / counted[k].clamp(min=1))
     return record

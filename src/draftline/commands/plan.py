@@ -3,7 +3,8 @@
 Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
 `draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500`;
 `draftline plan --from-metrics` after a run puts the plan and the measured figures side by side.
-Measured stage metrics under --metrics-dir replace estimates where they exist (docs/pipeline.md,
+Measured stage metrics under --metrics-dir, with the run logs under --runs-dir, replace estimates
+where they exist (docs/pipeline.md,
 "Metrics read by `draftline plan`").
 """
 
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, planning, target
+from draftline import hardware, params, planning, run_log, target
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
 
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b")
     parser.add_argument("--config-dir", default="conf")
     parser.add_argument("--metrics-dir", default="metrics", help="stage metrics of a run")
+    parser.add_argument(
+        "--runs-dir", default=str(run_log.RUNS_DIR), help="stage run logs (timings, hardware)"
+    )
     parser.add_argument(
         "--params", default="params.yaml", help="params of the run that wrote the metrics"
     )
@@ -66,9 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_metrics(
-    folder: str | Path, run_params: dict[str, Any] | None = None
+    folder: str | Path,
+    run_params: dict[str, Any] | None = None,
+    runs_dir: str | Path | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Parsed stage metrics under `folder` (missing files are skipped) and notes on bad ones.
+
+    A stage's run log under `runs_dir` (logs/runs: timings, throughput, hardware) completes
+    its metrics; generate shards have only a run log.
 
     Stages record their hardware profile but not always the target or data set; those come
     from `run_params` (the params.yaml of the run), so figures of another target are not used.
@@ -93,17 +102,22 @@ def read_metrics(
             return None
         return {**tags, **{k: v for k, v in data.items() if v is not None}}
 
+    folders = [root] if runs_dir is None else [root, Path(runs_dir)]
     for name in METRIC_FILES:
-        path = root / f"{name}.json"
-        if path.is_file() and (data := load(path)) is not None:
+        data: dict[str, Any] = {}
+        for path in (base / f"{name}.json" for base in folders):
+            if path.is_file() and (loaded := load(path)) is not None:
+                data.update(loaded)
+                found.setdefault("paths", {})[name] = path.as_posix()
+        if data:
             if name == "curate" and run_params:
                 data.setdefault("data", (run_params.get("data") or {}).get("name"))
             found[name] = data
-            found.setdefault("paths", {})[name] = path.as_posix()
     shards = {}
-    for path in sorted((root / "generate").glob("*.json")):
-        if (data := load(path)) is not None:
-            shards[path.as_posix()] = data
+    for base in folders:
+        for path in sorted((base / "generate").glob("*.json")):
+            if (data := load(path)) is not None:
+                shards[path.as_posix()] = data
     if shards:
         found["generate"] = shards
     return found, notes
@@ -118,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             run_params = params.load(args.params)
         except SystemExit as err:
             notes.append(f"{args.params} not used to tag metrics: {err}")
-    metrics, read_notes = read_metrics(args.metrics_dir, run_params)
+    metrics, read_notes = read_metrics(args.metrics_dir, run_params, args.runs_dir)
     notes += read_notes
     if args.from_metrics and not metrics:
         raise SystemExit(

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from draftline import params as params_mod
+from draftline import run_log
 from draftline.atomic import write_json
 from draftline.curation import CurateSettings, PromptTokenCounter, curate
 from draftline.hardware import describe, resolve_profile
@@ -18,12 +20,16 @@ from draftline.target import load_tokenizer
 
 OUT_DIR = "data/curated"
 METRICS_PATH = "metrics/curate.json"
+SUMMARY_NAME = "summary.json"  # in the output folder: rows per shard (validate), reject reasons
+# What `dvc exp show` compares; the rest (per shard, per reason, lengths) is in the summary.
+RESULT_KEYS = ("rows_read", "rows_kept", "rows_rejected", "reject_rate", "train_rows", "eval_rows")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
     parser.add_argument("--out", default=OUT_DIR, help=f"output folder (default {OUT_DIR})")
     parser.add_argument("--metrics", default=METRICS_PATH, help=f"metrics file ({METRICS_PATH})")
+    run_log.add_arguments(parser, "curate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -51,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
     result = curate(sources, args.out, counter, settings, progress=not args.no_progress)
 
     metrics = result.metrics()
-    metrics["hardware"] = describe(resolve_profile(params.get("hardware") or {}))
-    write_json(args.metrics, metrics)
+    # Cached with the curated tables, so a new node that pulls curate has the shard sizes too.
+    write_json(Path(args.out) / SUMMARY_NAME, metrics)
+    record = {**metrics, **describe(resolve_profile(params.get("hardware") or {}))}
+    run_log.write(args, "curate", record, RESULT_KEYS)
 
     print(
         f"curate: {result.rows_read} rows read, {result.rows_kept} kept "

@@ -15,8 +15,14 @@ import io
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params
-from draftline.atomic import write_json, write_text
+from draftline import hardware, params, run_log
+from draftline.atomic import write_text
+
+# The figures that compare drafters; per-position acceptance and the commit histogram are plots.
+RESULT_KEYS = (
+    "tau", "tau_untrained", "tau_ratio", "tau_per_cycle", "num_prompts",
+    "continuation_tokens_mean",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out split")
     parser.add_argument("--drafter", default="models/drafter", help="exported drafter")
     parser.add_argument("--metrics", default="metrics/evaluate.json")
+    run_log.add_arguments(parser, "evaluate")
     parser.add_argument("--plots", default="plots/evaluate", help="folder of plot CSVs")
 
 
@@ -88,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         "untrained": evaluate_drafter(untrained, sequences, features).summary(),
     }
     result = metrics(reports, continuations, profile)
-    write_json(args.metrics, result)
+    run_log.write(args, "evaluate", result, RESULT_KEYS)
     write_plots(Path(args.plots), reports)
     print(
         f"evaluate: tau {result['tau']:.3f} (untrained {result['tau_untrained']:.3f}, "
@@ -108,6 +115,7 @@ def metrics(
         "tau_ratio": tau / base if base else 0.0,
         "num_prompts": len(continuations),
         "continuation_tokens_mean": sum(map(len, continuations)) / max(1, len(continuations)),
+        "tau_per_cycle": reports["trained"]["tau_per_cycle"],
         **reports,
         **hardware.describe(profile),
     }

@@ -12,9 +12,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params
-from draftline.atomic import write_json
+from draftline import distributed, hardware, params, run_log
 from draftline.curation import shard_file_name
+
+# What the packs are (the same on any hardware, in any run); timings and world size go to the
+# run log.
+RESULT_KEYS = (
+    "features", "num_sequences", "num_tokens", "num_supervised_tokens", "num_packs",
+    "dropped", "truncated_sequences", "bytes_per_token",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verdict", default="data/validated/verdict.json")
     parser.add_argument("--out", default="data/extracted", help="output folder")
     parser.add_argument("--metrics", default="metrics/extract.json")
+    run_log.add_arguments(parser, "extract", throughput=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -87,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and distributed.rank() == 0,
         )
         if distributed.rank() == 0:
-            write_json(args.metrics, metrics(result, profile))
+            record = metrics(result, profile)
+            run_log.write(args, "extract", record, RESULT_KEYS, record["tokens_per_s"])
             idx = result.index
             print(
                 f"extract: {idx['num_sequences']} sequences, {idx['num_tokens']} tokens in "
@@ -127,6 +135,7 @@ def metrics(result: Any, profile: dict[str, Any]) -> dict[str, Any]:
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         f"--params={args.params}", f"--shards={args.shards}", f"--verdict={args.verdict}",
-        f"--out={args.out}", f"--metrics={args.metrics}",
+        f"--out={args.out}", f"--metrics={args.metrics}", f"--run-log={args.run_log}",
+        f"--throughput={args.throughput}",
     ]  # fmt: skip
     return [*out, "--no-progress"] if args.no_progress else out

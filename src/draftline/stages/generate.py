@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, target
+from draftline import hardware, params, run_log, target
 from draftline.curation import shard_file_name
 from draftline.engines.base import Engine, EngineUnavailable, Sampling
 from draftline.generation import Identity, ShardFailed, ShardPaths, run_shard
@@ -43,14 +44,14 @@ def shard_paths(shard: int | None) -> ShardPaths:
             name="eval",
             curated=Path("data/curated/eval.parquet"),
             output=Path("data/generated/eval.parquet"),
-            metrics=Path("metrics/generate/eval.json"),
+            run_log=run_log.RUNS_DIR / "generate/eval.json",
             journal=JOURNAL_DIR / "eval.jsonl",
         )
     return ShardPaths(
         name=f"shard-{shard}",
         curated=Path(f"data/curated/train/{shard_file_name(shard)}"),
         output=Path(f"data/generated/train/{shard_file_name(shard)}"),
-        metrics=Path(f"metrics/generate/shard-{shard}.json"),
+        run_log=run_log.RUNS_DIR / f"generate/shard-{shard}.json",
         journal=JOURNAL_DIR / f"shard-{shard}.jsonl",
     )
 
@@ -163,6 +164,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         engine.close()
+    if not args.eval:  # one generate figure: output tokens/s over this node's train shards
+        from draftline.planning import generation_rate
+
+        shards = [json.loads(p.read_text()) for p in paths.run_log.parent.glob("shard-*.json")]
+        run_log.record_throughput(
+            run_log.THROUGHPUT_PATH, "generate", generation_rate(shards), metrics
+        )
     print(
         f"generate {paths.name}: {metrics['samples']} samples ({metrics['resumed_samples']} "
         f"resumed), {metrics['output_tokens']} output tokens, "

@@ -12,8 +12,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params
-from draftline.atomic import write_json
+from draftline import distributed, hardware, params, run_log
+from draftline.atomic import write_text
+
+# What was trained and how well; timings, resume state and the batch split go to the run log.
+RESULT_KEYS = (
+    "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
+    "final_loss", "final_accuracy", "final_accuracy_per_position",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="data/extracted", help="extracted packs")
     parser.add_argument("--out", default="models/drafter", help="exported drafter folder")
     parser.add_argument("--metrics", default="metrics/train.json")
+    run_log.add_arguments(parser, "train", throughput=True)
     parser.add_argument("--live", default="dvclive/train", help="dvclive folder (plots)")
+    parser.add_argument("--plots", default="plots/train", help="folder of plot CSVs")
     parser.add_argument(
         "--checkpoint", default=".draftline/train/checkpoint.pt", help="resume state"
     )
@@ -61,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         result = train(args.data, p["model"], hp, options)
         if distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
-            write_json(args.metrics, metrics(result, hp, options, profile))
+            record = metrics(result, hp, options, profile)
+            run_log.write(args, "train", record, RESULT_KEYS, record["tokens_per_s"])
+            write_accuracy_per_position(Path(args.plots), result.history)
             last = result.history[-1] if result.history else {}
             print(
                 f"train: {result.steps} steps on {result.num_sequences} sequences "
@@ -75,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict[str, Any]:
+    from draftline.training import POSITION_PREFIX
+
     last = result.history[-1] if result.history else {}
     return {
         "steps": result.steps,
@@ -83,7 +95,9 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "dropped_sequences": result.dropped_sequences,
         "final_loss": last.get("loss"),
         "final_accuracy": last.get("acc"),
-        "final_accuracy_per_position": [last.get(f"acc_pos/{k}") for k in range(1, hp.block_size)],
+        "final_accuracy_per_position": [
+            last.get(f"{POSITION_PREFIX}{k}") for k in range(1, hp.block_size)
+        ],
         "first_loss": result.history[0]["loss"] if result.history else None,
         "tokens_this_run": result.tokens_this_run,
         "seconds": round(result.seconds, 3),
@@ -96,10 +110,28 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
     }
 
 
+def write_accuracy_per_position(folder: Path, history: list[dict[str, float]]) -> None:
+    """accuracy_per_position.csv: step, position, accuracy (one row per step and position).
+
+    One long table rather than one file per position, so a single chart (template
+    `lines_by_position`) draws every position whatever the block size.
+    """
+    from draftline.training import POSITION_PREFIX
+
+    rows = ["step,position,accuracy"]
+    for step, record in enumerate(history):
+        for key, value in record.items():
+            if key.startswith(POSITION_PREFIX):
+                rows.append(f"{step},{key[len(POSITION_PREFIX) :]},{value:.6g}")
+    write_text(folder / "accuracy_per_position.csv", "\n".join(rows) + "\n")
+
+
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         f"--params={args.params}", f"--data={args.data}", f"--out={args.out}",
-        f"--metrics={args.metrics}", f"--live={args.live}", f"--checkpoint={args.checkpoint}",
+        f"--metrics={args.metrics}", f"--run-log={args.run_log}",
+        f"--throughput={args.throughput}", f"--live={args.live}", f"--plots={args.plots}",
+        f"--checkpoint={args.checkpoint}",
         f"--checkpoint-every={args.checkpoint_every}",
     ]  # fmt: skip
     return [*out, "--no-progress"] if args.no_progress else out

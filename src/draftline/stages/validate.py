@@ -3,7 +3,7 @@
 Reads only the scalar columns of `data/generated/train/shard-K.parquet` (never the token
 lists), for every shard in `data.shard_ids`; a missing shard fails the stage (a fresh clone
 with `dvc repro --allow-missing` would otherwise validate a partial folder). The expected row
-count comes from `metrics/curate.json`.
+count comes from `data/curated/summary.json`.
 
 On success writes `data/validated/verdict.json`, which `extract` depends on. On failure prints
 the failed expectations, removes any stale verdict and exits 1: DVC records nothing for a
@@ -22,21 +22,27 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from draftline import atomic, quality
+from draftline import atomic, quality, run_log
 from draftline import params as params_mod
 
 GENERATED_DIR = "data/generated/train"
-CURATE_METRICS = "metrics/curate.json"
+CURATE_SUMMARY = "data/curated/summary.json"
 VERDICT_PATH = "data/validated/verdict.json"
 METRICS_PATH = "metrics/validate.json"
 PLOTS_DIR = "plots/validate"
 REPORT_DIR = "reports/validate"
+SUMMARY_NAME = "summary.json"
+RESULT_KEYS = (
+    "passed", "num_samples", "num_answered", "failed_checks", "finish_reasons",
+    "completion_tokens_mean", "completion_tokens_p50", "completion_tokens_p90",
+    "completion_tokens_max", "completion_tokens_total", "supervised_tokens_mean",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
     parser.add_argument("--generated", default=GENERATED_DIR, help="generated train shards")
-    parser.add_argument("--curate-metrics", default=CURATE_METRICS, help="curated row counts")
+    parser.add_argument("--curate-summary", default=CURATE_SUMMARY, help="curated row counts")
     parser.add_argument("--verdict", default=VERDICT_PATH, help="written only when passing")
     parser.add_argument("--metrics", default=METRICS_PATH)
     parser.add_argument("--plots", default=PLOTS_DIR)
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     p = params_mod.load(args.params)
     shard_ids = [int(k) for k in p["data"]["shard_ids"]]
-    expected = expected_rows(Path(args.curate_metrics), shard_ids)
+    expected = expected_rows(Path(args.curate_summary), shard_ids)
     paths = shard_paths(Path(args.generated), shard_ids)
     table = read_scalar_columns(paths, progress=not args.no_progress)
 
@@ -72,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         f"{k:05d}": {"curated": expected[k], "generated": int(shard_counts.get(k, 0))}
         for k in shard_ids
     }
-    atomic.write_json(args.metrics, metrics)
+    # Every check's observed value and the per-shard counts in the report (one column each in
+    # `dvc exp show` would grow with the shard count); the figures that compare runs as metrics.
+    atomic.write_json(Path(args.reports) / SUMMARY_NAME, metrics)
+    atomic.write_json(args.metrics, run_log.results(metrics, RESULT_KEYS))
     write_plots(Path(args.plots), table)
 
     docs = outcome.docs_index
@@ -110,15 +119,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def expected_rows(curate_metrics: Path, shard_ids: list[int]) -> dict[int, int]:
+def expected_rows(curate_summary: Path, shard_ids: list[int]) -> dict[int, int]:
     """Curated train rows per shard, from curate's metrics; the shards must match params."""
-    if not curate_metrics.is_file():
-        raise SystemExit(f"validate: {curate_metrics} not found: run `dvc repro curate` first")
-    data = json.loads(curate_metrics.read_text(encoding="utf-8"))
+    if not curate_summary.is_file():
+        raise SystemExit(f"validate: {curate_summary} not found: run `dvc repro curate` first")
+    data = json.loads(curate_summary.read_text(encoding="utf-8"))
     per_shard = {int(k): int(n) for k, n in (data.get("shard_rows") or {}).items()}
     if sorted(per_shard) != shard_ids:
         raise SystemExit(
-            f"validate: {curate_metrics} has shards {sorted(per_shard)} but params.yaml has "
+            f"validate: {curate_summary} has shards {sorted(per_shard)} but params.yaml has "
             f"data.shard_ids={shard_ids}: run `dvc repro curate` with the current params"
         )
     return per_shard
