@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from draftline import atomic, node_snapshot, remote
+from draftline import atomic, node_snapshot, remote, run_log
 
 NOTES_DIR = Path("notes") / "salvage"
 LOG_SOURCES = ("logs", ".draftline")
@@ -547,13 +547,16 @@ def uncached_outputs(root: Path) -> list[str]:
 
     try:
         with Repo(str(root)) as repo:
-            return sorted(
+            outs = sorted(
                 os.path.relpath(str(out.fs_path), repo.root_dir)
                 for stage in repo.index.stages
                 if stage.addressing in finished
                 for out in stage.outs
                 if not out.use_cache
             )
+        # Written by generate, extract and train, so no stage's output (DVC forbids a shared
+        # one): a top-level metric of dvc.yaml, which git carries like the stages' metrics.
+        return [*outs, run_log.THROUGHPUT_PATH.as_posix()]
     except Exception:  # an unreadable dvc.yaml: `uncommitted` then lists those files NOT SAFE
         return []
 
