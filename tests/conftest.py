@@ -28,3 +28,12 @@ def tiny_target_dir() -> Path:
         "models/tiny-target is missing: draftline build-tiny-target"
     )
     return path
+
+
+def pytest_report_header() -> str:
+    """Which float kernels this run uses (.ci/run reruns some tests under generic ones)."""
+    import torch
+
+    env = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+    chosen = ", ".join(f"{k}={os.environ[k]}" for k in env if k in os.environ) or "defaults"
+    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({chosen})"

@@ -25,6 +25,8 @@ from draftline.evaluation import (
 )
 from draftline.features import target_layer_states
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 B = 4
 LAYER_IDS = [1, 2, 4]

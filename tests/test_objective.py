@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +19,7 @@ from draftline.objective import (
     sample_anchors,
 )
 
+pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
 
 

@@ -22,6 +22,8 @@ from dflash_data import generated_sequences, make_target, model_params, write_pa
 
 from draftline.training import Hyperparameters, RunOptions, train
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 
 DRAFTER = {
