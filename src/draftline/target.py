@@ -28,13 +28,25 @@ def load_tokenizer(model: dict[str, Any]) -> Any:
 
 
 def load_model(model: dict[str, Any], device: str = "cpu", dtype: str = "fp32") -> Any:
+    """The target as a frozen text-only causal LM, in `dtype`, on `device`.
+
+    `AutoModelForCausalLM` resolves a vision-language checkpoint such as Qwen3.6
+    (`Qwen3_5ForConditionalGeneration` on disk) to its text class (`Qwen3_5ForCausalLM`), which
+    skips the vision tower and the MTP head (`model.visual.*`, `mtp.*`) when loading. Weights are
+    read in `dtype` (never materialised in fp32 first) and, on an accelerator, placed on the
+    device directly instead of through a host copy.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"precision {dtype!r}: use one of {sorted(dtypes)}")
+    placement = {} if str(device) == "cpu" else {"device_map": str(device)}
     lm = AutoModelForCausalLM.from_pretrained(
-        str(model["path"]), revision=model.get("revision"), dtype=torch_dtype
+        str(model["path"]), revision=model.get("revision"), dtype=dtypes[dtype], **placement
     )
+    lm.requires_grad_(False)
     return lm.to(device).eval()
 
 
@@ -55,3 +67,12 @@ def special_token_id(tokenizer: Any, token: str) -> int:
     if tid is None or tid == tokenizer.unk_token_id:
         raise ValueError(f"token {token!r} is not in the target tokenizer's vocabulary")
     return int(tid)
+
+
+def generation_prompt_opens_think(tokenizer: Any, template_kwargs: dict, special: Any) -> bool:
+    """Whether the chat template opens `<think>` in the generation prompt (Qwen3.5/3.6 with
+    thinking on) rather than leaving it to the model (Qwen3). `special`: loss_mask.SpecialIds."""
+    from draftline.loss_mask import prompt_opens_think
+
+    probe = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs)
+    return prompt_opens_think(probe, special)

@@ -132,7 +132,14 @@ def run(args: argparse.Namespace) -> int:
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))
     thinking = thinking_enabled(p)
     guard = (
-        Guard(p["quality"], thinking=thinking, max_new_tokens=sampling.max_new_tokens)
+        Guard(
+            p["quality"],
+            thinking=thinking,
+            max_new_tokens=sampling.max_new_tokens,
+            think_in_prompt=target.generation_prompt_opens_think(
+                tokenizer, dict(model.get("chat_template_kwargs") or {}), special
+            ),
+        )
         if gen.get("guard", True) and p.get("quality")
         else None
     )
