@@ -5,15 +5,16 @@ One training step (drafter forward, weighted block loss, backward) on one sequen
 invocation: with `block_prefix_attention` (each chunk of blocks sees the context up to its
 largest anchor plus its own blocks) and with `dense_block_attention` (one SDPA over
 [context ; all blocks] with a dense [N*B, T + N*B] mask, the SpecForge-style formulation).
-Both are the same math: the outputs and gradients are compared in this process; speed and
-peak memory are measured in one fresh subprocess per formulation so neither inherits the
-other's allocations.
+Both are the same math: the outputs and gradients are compared in this process; speed is
+measured here too, the formulations alternating round after round so that the machine's load
+hits both alike; peak memory is measured in one fresh subprocess per formulation so neither
+inherits the other's allocations.
 
     python benchmarks/train_attention.py [--seq 2048] [--anchors 256] [--block 16] [--json out]
 
 Reports, for the whole training step and for one layer's attention alone (forward and
 backward on random queries, keys and values of the same shapes): sequence tokens per second,
-peak RSS above the resident size before the timed runs (after a warm-up), and the ratios
+peak RSS above the resident size before a run (after a warm-up run), and the ratios
 blockwise / dense. The step's peak is mostly activations and the loss, which both
 formulations share; the attention alone shows what the formulation itself costs.
 """
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds after one warm-up")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
@@ -122,42 +124,61 @@ def attention_step(
     attend(*inputs, anchors, scale).square().sum().backward()
 
 
-def measure(work: Any, steps: int) -> tuple[float, int]:
-    """Median seconds of `work` over `steps` runs after a warm-up, and their peak memory.
+def peak_after_warm_up(work: Any) -> int:
+    """Peak memory of one run of `work` after a warm-up, above the resident size before it.
 
     The warm-up is not in the peak: it holds one-off allocations (thread pools, kernels).
     """
     work()
     before = rss_bytes()
     reset_peak()
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times), peak_bytes() - before
+    work()
+    return peak_bytes() - before
 
 
-def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Time and measure one formulation in this (fresh) process."""
+def worker(args: argparse.Namespace) -> dict[str, int]:
+    """Peak memory of one formulation, measured in this (fresh) process."""
     torch.set_num_threads(args.threads)
     drafter, case = make_case(args)
-    step_s, step_peak = measure(lambda: train_step(drafter, case, args.worker), args.steps)
     attend = ATTENTION_IMPLEMENTATIONS[args.worker]
     inputs = attention_inputs(drafter, case)
     scale = drafter.config.head_dim**-0.5
-    attention_s, attention_peak = measure(
-        lambda: attention_step(attend, inputs, case["anchors"], scale), args.steps
-    )
-    tokens = args.batch * args.seq
     return {
-        "implementation": args.worker,
-        "step_s": step_s,
-        "tokens_per_s": tokens / step_s,
-        "peak_step_bytes": step_peak,
-        "attention_s": attention_s,
-        "attention_tokens_per_s": tokens / attention_s,
-        "peak_attention_bytes": attention_peak,
+        "peak_step_bytes": peak_after_warm_up(lambda: train_step(drafter, case, args.worker)),
+        "peak_attention_bytes": peak_after_warm_up(
+            lambda: attention_step(attend, inputs, case["anchors"], scale)
+        ),
+    }
+
+
+def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median seconds per formulation of a training step and of the attention alone.
+
+    The formulations alternate in one process, round after round (the first is a warm-up),
+    so a change in the machine's load hits both alike.
+    """
+    torch.set_num_threads(args.threads)
+    drafter, case = make_case(args)
+    inputs = attention_inputs(drafter, case)
+    scale = drafter.config.head_dim**-0.5
+    times: dict[str, dict[str, list[float]]] = {
+        impl: {"step_s": [], "attention_s": []} for impl in IMPLEMENTATIONS
+    }
+    for round_ in range(args.steps + 1):
+        for impl in IMPLEMENTATIONS:
+            attend = ATTENTION_IMPLEMENTATIONS[impl]
+            work = {
+                "step_s": partial(train_step, drafter, case, impl),
+                "attention_s": partial(attention_step, attend, inputs, case["anchors"], scale),
+            }
+            for name, run in work.items():
+                began = time.perf_counter()
+                run()
+                if round_:
+                    times[impl][name].append(time.perf_counter() - began)
+    return {
+        impl: {name: statistics.median(values) for name, values in runs.items()}
+        for impl, runs in times.items()
     }
 
 
@@ -201,7 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
     ]
     equal = compare_outputs(args)
-    runs = {impl: run_worker(forwarded, impl) for impl in IMPLEMENTATIONS}
+    tokens = args.batch * args.seq
+    runs = {}
+    for impl, seconds in timings(args).items():
+        runs[impl] = {
+            "implementation": impl,
+            **seconds,
+            "tokens_per_s": tokens / seconds["step_s"],
+            "attention_tokens_per_s": tokens / seconds["attention_s"],
+            **run_worker(forwarded, impl),
+        }
     block, dense = runs["blockwise"], runs["dense"]
     report = {
         "case": {k: getattr(args, k) for k in ("seq", "anchors", "block", "batch", "hidden")},
