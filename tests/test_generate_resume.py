@@ -203,3 +203,23 @@ def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_pa
         assert sorted(again.sample_ids()[asked_before:]) == ids
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids and {r["finish_reason"] for r in table} == {"stop"}
+
+
+def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir):
+    """Two endpoints in DRAFTLINE_SGLANG_ENDPOINTS; one dies mid-shard. The stage goes on with
+    the other and the shard holds every curated id exactly once, with no error row."""
+    alive = StandIn(tmp_path, "--delay", "0.02")
+    dies = StandIn(tmp_path, "--delay", "0.02", "--die-after", "30")
+    ids = make_workdir(
+        tmp_path, model_dir, n=160, hardware=sglang_hardware(alive.port, 8), max_new_tokens=64
+    )
+    with alive, dies:
+        endpoints = f"{alive.url},{dies.url}"
+        proc = run_generate(tmp_path, "--shard", "0", env={"DRAFTLINE_SGLANG_ENDPOINTS": endpoints})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert dies.proc.wait(5) != 0  # it did die, mid-shard
+        served_by_dying = set(dies.sample_ids())
+    assert 20 <= len(served_by_dying) < len(ids)
+    table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
+    assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)

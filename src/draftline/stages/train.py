@@ -1,7 +1,8 @@
 """Stage `train`: extracted data -> DFlash drafter (`models/drafter/`), metrics and plots.
 
-With a hardware profile of several processes per node it reruns itself under torchrun (DDP);
-under a torchrun the user started (several nodes) it takes its rank from the environment.
+With a hardware profile of several processes per node it reruns itself as that many DDP
+processes (`distributed.run_in_local_processes`, rendezvous on loopback); under a torchrun the
+user started (several nodes) it takes its rank from the environment.
 A killed run resumes from `.draftline/train/checkpoint.pt` (working state, not a DVC output)
 and ends exactly where an uninterrupted run would have.
 """
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
-    relaunched = distributed.run_under_torchrun(
+    relaunched = distributed.run_in_local_processes(
         int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
     )
     if relaunched is not None:
