@@ -125,3 +125,20 @@ def test_a_derived_drafter_shape_copies_the_target() -> None:
             num_attention_heads=12,
             num_key_value_heads=8,
         )
+
+
+def test_doctor_says_when_hybrid_layers_run_on_the_slow_fallback(tmp_path, monkeypatch) -> None:
+    from draftline import target
+    from draftline.commands import doctor
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": profile("qwen3_6_27b")}))
+    monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: ["causal-conv1d"])
+    [(what, ok, detail)] = doctor._hybrid_rows()
+    assert what == "hybrid layers" and ok  # said, never failed: CPU nodes have no use for them
+    assert "causal-conv1d missing" in detail and "slow torch fallback" in detail
+    assert "pip install -e '.[hybrid]'" in detail
+    monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: [])
+    assert doctor._hybrid_rows() == [("hybrid layers", True, "fast kernels installed")]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": profile("qwen3_8b")}))
+    assert doctor._hybrid_rows() == []

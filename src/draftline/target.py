@@ -76,3 +76,15 @@ def generation_prompt_opens_think(tokenizer: Any, template_kwargs: dict, special
 
     probe = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs)
     return prompt_opens_think(probe, special)
+
+
+def hybrid_kernels_missing() -> list[str]:
+    """The fast kernels of hybrid (Gated DeltaNet) layers that are not installed: without them
+    transformers runs those layers on a slow torch fallback (`pip install -e '.[hybrid]'`)."""
+    from transformers.utils import import_utils
+
+    wanted = {
+        "flash-linear-attention": import_utils.is_flash_linear_attention_available,
+        "causal-conv1d": import_utils.is_causal_conv1d_available,
+    }
+    return [name for name, available in wanted.items() if not available()]

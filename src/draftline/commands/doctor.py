@@ -70,6 +70,7 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
         )
     )
     rows.append(_params_row(config_dir))
+    rows.extend(_hybrid_rows())
     gpus = hardware.detect_gpus()
     chosen = hardware.match_profile(gpus, hardware.load_profiles(config_dir))
     gpu_text = ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) or "none"
@@ -84,6 +85,26 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
         )
     )
     return rows
+
+
+def _hybrid_rows() -> list[tuple[str, bool, str]]:
+    """A hybrid target (Gated DeltaNet layers) without the fast kernels runs a slow torch
+    fallback: said, not failed (a CPU node has no use for GPU kernels)."""
+    path = Path("params.yaml")
+    loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
+    model = (loaded or {}).get("model") or {}
+    if not model.get("hybrid"):
+        return []
+    from draftline.target import hybrid_kernels_missing
+
+    missing = hybrid_kernels_missing()
+    detail = (
+        "fast kernels installed"
+        if not missing
+        else f"{', '.join(missing)} missing: the hybrid layers of {model.get('name')} run on "
+        "the slow torch fallback; on GPU nodes pip install -e '.[hybrid]'"
+    )
+    return [("hybrid layers", True, detail)]
 
 
 def _params_row(config_dir: str) -> tuple[str, bool, str]:
