@@ -122,6 +122,62 @@ def test_salvage_pushes_stages_shards_run_cache_verifies_and_commits(
     assert again.returncode == 0, again.stdout
 
 
+GH_PAT = "ghp_Rk2Lm9Qx7Wz4Tn8Vb3Jc6Hd1Fs5Gp0Ya7Ue"
+DB_PASS = "Salv4ge-db-pass-0042"
+WEBHOOK_SECRET = "Wh00kS3cretPathValue42"
+WEBHOOK = f"https://hooks.slack.com/services/T0SALVAGE/B0SALVAGE/{WEBHOOK_SECRET}"
+API_KEY = "mk-4471-private-key"
+API_URL = f"https://metrics.example/ingest?project=draftline&api_key={API_KEY}"
+CONFIG_KEY_ID = "AKIACONFIGLOCAL00042"
+CONFIG_SECRET = "cfg-local-secret-Hq7Zt2Nw9"
+LOG_AWS_SECRET = "Tq9vR2mXw7LkP4sZ8nB1cF6hJ3dG5yU0aEiOQe/x"  # in no config: known by shape
+
+
+def test_notes_keep_no_secret_of_any_shape(node: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Secrets whose names say nothing (GH_PAT, DB_PASS, URLs), credentials of
+    .dvc/config.local and an AWS secret key, all echoed into a log, reach no committed file."""
+    env.update(
+        GH_PAT=GH_PAT,
+        DB_PASS=DB_PASS,
+        NOTIFY_URL=WEBHOOK,
+        METRICS_URL=API_URL,
+        CUDA_VISIBLE_DEVICES="0,1",
+    )
+    # The push authenticates with the credentials of .dvc/config.local, not the environment.
+    del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    run(["dvc", "remote", "modify", "--local", "s3", "access_key_id", CONFIG_KEY_ID], node, env)
+    run(["dvc", "remote", "modify", "--local", "s3", "secret_access_key", CONFIG_SECRET], node, env)
+    (node / "logs").mkdir()
+    (node / "logs" / "train.log").write_text(
+        f"git clone https://x:{GH_PAT}@github.com/org/repo\n"
+        f"db connect password={DB_PASS}\n"
+        f"notify {WEBHOOK}\n"
+        f"POST {API_URL}\n"
+        f"dvc config: access_key_id={CONFIG_KEY_ID} secret {CONFIG_SECRET}\n"
+        f"boto debug: loaded credentials {LOG_AWS_SECRET} from ~/.aws\n"
+        "step 10 loss=1.25 max_new_tokens=2048\n"
+    )
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    pulled = tmp_path / "check"
+    run(["git", "clone", "-q", str(tmp_path / "origin.git"), str(pulled)], tmp_path, env)
+    folder = next((pulled / "notes" / "salvage").iterdir())
+    committed = {p: p.read_text() for p in folder.rglob("*") if p.is_file()}
+    planted = (GH_PAT, DB_PASS, WEBHOOK_SECRET, API_KEY, CONFIG_KEY_ID, CONFIG_SECRET)
+    for text in (done.stdout, done.stderr, *committed.values()):
+        for secret in (*planted, LOG_AWS_SECRET):
+            assert secret not in text
+    log = committed[folder / "logs" / "logs" / "train.log"]
+    # The environment's secret values go whole; the rest only where a secret is.
+    assert "notify ***\nPOST ***\n" in log and "password=***" in log
+    assert "step 10 loss=1.25 max_new_tokens=2048" in log
+    # The snapshot records an allow-list of variables: the planted ones are not even named.
+    environment = yaml.safe_load(committed[folder / "node.json"])["environment"]
+    assert environment["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert not {"GH_PAT", "DB_PASS", "NOTIFY_URL", "METRICS_URL"} & set(environment)
+
+
 def test_dry_run_prints_the_plan_and_changes_nothing(
     node: Path, env: dict[str, str], server: S3Server, bucket: str
 ) -> None:

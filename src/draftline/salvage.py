@@ -479,18 +479,24 @@ def journal_progress(root: Path) -> dict[str, int]:
     }
 
 
+def known_secrets(root: Path) -> list[str]:
+    """Every secret value this node knows: the environment's secret-looking values and the
+    credentials in DVC's config (`.dvc/config.local`), longest first."""
+    found = set(node_snapshot.secret_values()) | set(remote.config_secrets(root))
+    return sorted(found, key=len, reverse=True)
+
+
 def write_notes(
-    dest: Path, snap: dict[str, Any], findings: list[Finding], extra: dict[str, Any]
+    dest: Path,
+    snap: dict[str, Any],
+    findings: list[Finding],
+    extra: dict[str, Any],
+    secrets: list[str],
 ) -> None:
-    secrets = node_snapshot.secret_values()
-    atomic.write_json(dest / "node.json", snap)
-    atomic.write_json(
-        dest / "salvage.json",
-        {
-            "findings": [asdict(f) for f in findings],
-            **extra,
-        },
-    )
+    """NOTES.md, node.json and salvage.json, every string scrubbed: they are committed."""
+    atomic.write_json(dest / "node.json", node_snapshot.redact_data(snap, secrets))
+    salvage_json = {"findings": [asdict(f) for f in findings], **extra}
+    atomic.write_json(dest / "salvage.json", node_snapshot.redact_data(salvage_json, secrets))
     lines = [f"# Salvage of {snap['host']} at {snap['time_utc']}", ""]
     lines += [_format(f) for f in findings] + [""]
     lines += [
@@ -696,6 +702,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     notes = root / opts.notes_dir / f"{now:%Y%m%dT%H%M%SZ}-{socket.gethostname()}"
     findings: list[Finding] = []
+    secrets = known_secrets(root)
 
     info: remote.RemoteInfo | None = None
     credentials_ok = False
@@ -719,11 +726,10 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             out(f"  {i}. {step}")
         out("found so far (nothing was changed):")
         for f in findings:
-            out(_format(f))
+            out(node_snapshot.redact_text(_format(f), secrets))
         return 0
 
     snap = _guard(findings, "node snapshot", lambda: node_snapshot.take_snapshot(root)) or {}
-    secrets = node_snapshot.secret_values()
     logs = _guard(findings, "gathering logs", lambda: gather_logs(root, notes, secrets)) or []
     metrics = _guard(findings, "gathering metrics", lambda: gather_metrics(root)) or {}
 
@@ -764,7 +770,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     wrote = _guard(
         findings,
         f"writing notes to {notes.relative_to(root)}",
-        lambda: write_notes(notes, snap, findings, extra) or True,
+        lambda: write_notes(notes, snap, findings, extra, secrets) or True,
     )
     if wrote:
         findings.append(Finding(True, f"notes: {notes.relative_to(root)}/NOTES.md"))
