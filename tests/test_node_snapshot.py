@@ -92,6 +92,11 @@ def test_redact_text_scrubs_values_and_urls() -> None:
             "rev 3f2a1b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a md5 0123456789abcdef0123456789abcdef",
         ),
         ("GET https://hf.co/api/models?limit=5", "GET https://hf.co/api/models?limit=5"),
+        (
+            "credentials: environment (AWS_ACCESS_KEY_ID)",
+            "credentials: environment (AWS_ACCESS_KEY_ID)",
+        ),
+        ("aws_session_token=FwoGZXIvYXdzEBY", "aws_session_token=***"),
     ],
 )
 def test_redact_text_scrubs_secret_shapes(text: str, redacted: str) -> None:

@@ -60,7 +60,7 @@ SECRET_PATTERNS = (
     ),
     re.compile(  # a value with no letter is no secret: `max_new_tokens=2048` stays
         r"(?i)(\b[\w.-]*(?:secret|token|password|passwd|api[_-]?key|access[_-]?key"
-        r"|private[_-]?key|credential)[\w.-]*[\"']?\s*[:=]\s*[\"']?)"
+        r"|private[_-]?key|credential)(?:[_-]?(?:id|key|value))?[\"']?\s*[:=]\s*[\"']?)"
         r"(?=[^\s\"',;&]*[a-df-z])[^\s\"',;&]{6,}"
     ),
     re.compile(r"(?i)(\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"),
