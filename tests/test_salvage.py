@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -238,6 +239,49 @@ def test_missing_and_corrupted_remote_objects_are_detected(
     deep = salvage(node, env, "--no-push-git", "--deep")
     assert deep.returncode == 1 and "content MD5" in deep.stdout
     assert "downloaded and hashed" in deep.stdout
+
+
+def put_multipart(client: Any, bucket: str, key: str, body: bytes, part_size: int) -> str:
+    """Upload `body` in parts, as large files are: the ETag is then no MD5 of the content."""
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    parts = []
+    for number, start in enumerate(range(0, len(body), part_size), 1):
+        chunk = body[start : start + part_size]
+        etag = client.upload_part(
+            Bucket=bucket, Key=key, PartNumber=number, UploadId=upload, Body=chunk
+        )["ETag"]
+        parts.append({"ETag": etag, "PartNumber": number})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    return str(client.head_object(Bucket=bucket, Key=key)["ETag"])
+
+
+def test_multipart_object_corrupted_at_same_size_is_not_safe(
+    tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    """A multipart ETag is the MD5 of the parts' MD5s: salvage recomputes it from the local
+    copy, so a same-size corruption is found without --deep (the size alone passed it)."""
+    origin = make_origin(tmp_path, env, bulk_files=1, bulk_kib=6 * 1024)
+    node = clone_node(origin, tmp_path / "node", env, server, bucket)
+    run(["dvc", "repro", "bulk"], node, env)
+    assert salvage(node, env).returncode == 0
+    (path, oid), *_ = ((p, o) for o, p in lock_objects(node).items() if p.endswith(".bin"))
+    body = cache_path(node, oid).read_bytes()
+    client = server.client()
+    part = 5 * 2**20  # S3's smallest part: 6 MiB go up as 5 MiB + 1 MiB
+    assert put_multipart(client, bucket, remote_key(oid), body, part).endswith('-2"')
+
+    intact = salvage(node, env)
+    assert intact.returncode == 0, intact.stdout
+    assert "1 by multipart ETag of the local copy" in intact.stdout
+
+    rotten = body[:-1] + bytes([body[-1] ^ 0xFF])
+    put_multipart(client, bucket, remote_key(oid), rotten, part)
+    done = salvage(node, env)
+    assert done.returncode == 1, done.stdout
+    assert f"corrupted in s3://{bucket}/dvc: {path} (bulk): multipart ETag" in done.stdout
+    assert "VERDICT: NOT SAFE" in done.stdout
 
 
 def test_shard_in_flight_journal_and_uncommitted_files_are_not_safe(

@@ -79,7 +79,7 @@ class Verification:
     remote_url: str
     checked: int = 0
     by_etag: int = 0
-    by_size: int = 0
+    by_parts: int = 0
     by_download: int = 0
     missing: list[Expected] = field(default_factory=list)
     corrupted: list[tuple[Expected, str]] = field(default_factory=list)
@@ -300,8 +300,10 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
     """Check that the remote holds every recorded object with the right content.
 
     Content is checked by the S3 ETag where it is the MD5 of the object (single-part uploads,
-    no SSE-KMS: DVC's oid is the same MD5), else by size, and with `deep` by downloading and
-    hashing. Run-cache entries are compared with the local `.dvc/cache/runs`.
+    no SSE-KMS: DVC's oid is the same MD5); a multipart ETag by computing it from the local
+    copy; else, and always with `deep`, by downloading and hashing. Never by size alone: a
+    same-size corruption has the same size. Run-cache entries are compared with the local
+    `.dvc/cache/runs`.
     """
     from dvc.repo import Repo
 
@@ -328,7 +330,7 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
                     result.corrupted.append((obj, "directory manifest unreadable"))
                     continue
                 todo.extend(entries)
-            problem = _content_problem(obj, info, fs, path, deep, result)
+            problem = _content_problem(obj, info, fs, path, deep, repo.cache.local, result)
             if problem:
                 result.corrupted.append((obj, problem))
         _verify_run_cache(Path(repo.cache.legacy.path) / "runs", fs, rem.path, result)
@@ -336,25 +338,66 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
 
 
 def _content_problem(
-    obj: Expected, info: dict[str, Any], fs: Any, path: str, deep: bool, result: Verification
+    obj: Expected,
+    info: dict[str, Any],
+    fs: Any,
+    path: str,
+    deep: bool,
+    local_cache: Any,
+    result: Verification,
 ) -> str:
     """Why the remote copy of `obj` is not its content, or "" when it is."""
     want = obj.oid.removesuffix(".dir")
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    etag_is_md5 = bool(re.fullmatch(r"[0-9a-f]{32}", etag))
     # A local folder remote is cheap to read; elsewhere hash only when nothing else can tell.
-    local = fs.protocol == "local"
-    if deep or local or (not etag_is_md5 and obj.size is None):
-        result.by_download += 1
-        got = _md5_of(fs, path)
-        return "" if got == want else f"content MD5 {got} != {want}"
-    if etag_is_md5:
-        result.by_etag += 1
-        return "" if etag == want else f"ETag (content MD5) {etag} != {want}"
-    # Multipart uploads: the ETag is an MD5 of part MD5s, so only the size can be compared.
-    result.by_size += 1
-    size = int(info.get("size") or 0)
-    return "" if size == obj.size else f"size {size} != {obj.size}"
+    if not deep and fs.protocol != "local":
+        if re.fullmatch(r"[0-9a-f]{32}", etag):
+            result.by_etag += 1
+            return "" if etag == want else f"ETag (content MD5) {etag} != {want}"
+        multipart = re.fullmatch(r"[0-9a-f]{32}-(\d+)", etag)
+        local = Path(local_cache.oid_to_path(obj.oid))
+        if multipart and local.exists():
+            size = int(info.get("size") or 0)
+            ours = _local_multipart_etag(local, want, _part_size(fs, path, int(multipart[1]), size))
+            if ours is not None:  # else the local copy is no good: download instead
+                result.by_parts += 1
+                return "" if ours == etag else f"multipart ETag {etag} != {ours} of the local copy"
+    result.by_download += 1
+    got = _md5_of(fs, path)
+    return "" if got == want else f"content MD5 {got} != {want}"
+
+
+def _part_size(fs: Any, path: str, parts: int, size: int) -> int | None:
+    """The size of every part but the last, from S3 (HEAD of part 1); None when unknown."""
+    if parts == 1:
+        return size
+    try:
+        bucket, key, _ = fs.fs.split_path(path)
+        return int(
+            fs.fs.call_s3("head_object", Bucket=bucket, Key=key, PartNumber=1)["ContentLength"]
+        )
+    except Exception:  # a store without part numbers: the caller downloads instead
+        return None
+
+
+def _local_multipart_etag(local: Path, want: str, part_size: int | None) -> str | None:
+    """The ETag of `local` uploaded in parts of `part_size` (the MD5 of the parts' MD5s, then
+    the number of parts), or None when the part size is unknown or `local` is not `want`."""
+    if not part_size:
+        return None
+    whole, part, filled, digests = hashlib.md5(), hashlib.md5(), 0, b""
+    with local.open("rb") as f:
+        while block := f.read(min(2**20, part_size - filled)):
+            whole.update(block)
+            part.update(block)
+            filled += len(block)
+            if filled == part_size:
+                digests, part, filled = digests + part.digest(), hashlib.md5(), 0
+    if filled:
+        digests += part.digest()
+    if whole.hexdigest() != want:
+        return None
+    return f"{hashlib.md5(digests).hexdigest()}-{len(digests) // 16}"
 
 
 def _verify_run_cache(local_runs: Path, fs: Any, remote_root: str, result: Verification) -> None:
@@ -375,7 +418,10 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
     findings = []
     owners_bad = sorted({o.owner for o in v.missing} | {o.owner for o, _ in v.corrupted})
     owners_ok = sorted(set(v.owners) - set(owners_bad))
-    how = f"{v.by_etag} by ETag=MD5, {v.by_size} by size, {v.by_download} downloaded and hashed"
+    how = (
+        f"{v.by_etag} by ETag=MD5, {v.by_parts} by multipart ETag of the local copy, "
+        f"{v.by_download} downloaded and hashed"
+    )
     if owners_ok:
         findings.append(
             Finding(
@@ -837,7 +883,7 @@ def _verification_summary(v: Verification | None) -> dict[str, Any] | None:
         "remote": v.remote_url,
         "checked": v.checked,
         "by_etag": v.by_etag,
-        "by_size": v.by_size,
+        "by_parts": v.by_parts,
         "by_download": v.by_download,
         "missing": [asdict(o) for o in v.missing],
         "corrupted": [{**asdict(o), "why": why} for o, why in v.corrupted],
