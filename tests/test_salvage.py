@@ -241,6 +241,26 @@ def test_missing_and_corrupted_remote_objects_are_detected(
     assert "downloaded and hashed" in deep.stdout
 
 
+def test_object_lost_from_a_folder_output_is_repaired(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    """`dvc push` takes a folder whose .dir manifest is on the remote for complete, so it never
+    sends a lost entry again: salvage uploads it from the local cache, says so, ends SAFE."""
+    assert salvage(node, env).returncode == 0
+    oid = {path: oid for oid, path in lock_objects(node).items()}["data/prepared/in-2.txt"]
+    server.client().delete_object(Bucket=bucket, Key=remote_key(oid))
+
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout
+    assert (
+        f"SAFE      repaired s3://{bucket}/dvc: uploaded 1 missing objects from the local cache"
+        in done.stdout
+    )
+    assert "data/prepared/in-2.txt (prepare)" in done.stdout
+    assert "VERDICT: SAFE" in done.stdout
+    assert remote_key(oid) in server.keys(bucket)
+
+
 def put_multipart(client: Any, bucket: str, key: str, body: bytes, part_size: int) -> str:
     """Upload `body` in parts, as large files are: the ETag is then no MD5 of the content."""
     upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]

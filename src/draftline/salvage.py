@@ -337,6 +337,28 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
     return result
 
 
+def repair_remote(root: Path, remote_name: str, missing: Iterable[Expected]) -> list[Expected]:
+    """Upload the missing objects the local cache holds intact; the ones uploaded.
+
+    `dvc push` takes a folder whose `.dir` manifest is on the remote for complete, so an entry
+    lost from it (a cut-short upload, a deleted object) is never pushed again by DVC.
+    """
+    from dvc.repo import Repo
+
+    uploaded = []
+    with Repo(str(root)) as repo:
+        rem = repo.cloud.get_remote(remote_name)
+        local_fs = repo.cache.local.fs
+        for obj in missing:
+            local = Path(repo.cache.local.oid_to_path(obj.oid))
+            # Never replace a lost object with a corrupted one: the copy must hash to its oid.
+            if not local.exists() or _md5_of(local_fs, str(local)) != obj.oid.removesuffix(".dir"):
+                continue
+            rem.fs.put_file(str(local), rem.odb.oid_to_path(obj.oid))
+            uploaded.append(obj)
+    return uploaded
+
+
 def _content_problem(
     obj: Expected,
     info: dict[str, Any],
@@ -442,9 +464,10 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
         findings.append(
             Finding(
                 False,
-                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid})",
-                "run `draftline salvage` again; if the local cache lacks it too, "
-                f"re-run the stage: `dvc repro {obj.owner}`",
+                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid}), and not "
+                "intact in the local cache either",
+                f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
+                "remote, then run `draftline salvage` again",
             )
         )
     for obj, why in v.corrupted[:20]:
@@ -800,6 +823,8 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             verification = _guard(
                 findings, "verifying the remote", lambda: verify_remote(root, info.name, opts.deep)
             )
+            if verification is not None and verification.missing:
+                verification = _repair(findings, root, info, verification, opts.deep)
             if verification is not None:
                 findings += verification_findings(verification, info.url)
 
@@ -836,6 +861,34 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     out("VERDICT: SAFE to shut this node down.")
     out(f"On the next node: git clone, then `{RESUME_COMMAND}` ({HAZARD}).")
     return 0
+
+
+def _repair(
+    findings: list[Finding],
+    root: Path,
+    info: remote.RemoteInfo,
+    verification: Verification,
+    deep: bool,
+) -> Verification | None:
+    """Upload what the remote lacks and verify again; says what it repaired."""
+    missing = verification.missing
+    uploaded = _guard(
+        findings, "repairing the remote", lambda: repair_remote(root, info.name, missing)
+    )
+    if not uploaded:
+        return verification
+    shown = ", ".join(f"{o.path} ({o.owner})" for o in uploaded[:10])
+    more = f" and {len(uploaded) - 10} more" if len(uploaded) > 10 else ""
+    findings.append(
+        Finding(
+            True,
+            f"repaired {info.url}: uploaded {len(uploaded)} missing objects from the local cache "
+            f"that `dvc push` did not send (it takes a folder whose .dir manifest is there for "
+            f"complete): "
+            f"{shown}{more}",
+        )
+    )
+    return _guard(findings, "verifying the remote", lambda: verify_remote(root, info.name, deep))
 
 
 def _guard(findings: list[Finding], what: str, step: Callable[[], Any]) -> Any:
