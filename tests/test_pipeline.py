@@ -5,6 +5,7 @@ Every stage runs on the embedded default (tiny target, bundled prompts) on CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -138,3 +139,26 @@ def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     assert metrics["passed"] is False
     assert not (repo / "data/validated/verdict.json").exists()
     assert not (repo / "data/extracted").exists()
+
+
+def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
+    """An undeclared file is neither pushed by DVC nor committed by salvage: dvclive's summary
+    `metrics.json` left every fresh run NOT SAFE. Train's own dvclive call, in a scratch dir."""
+    from draftline.stages import train as train_stage
+    from draftline.training import Metrics
+
+    parser = argparse.ArgumentParser()
+    train_stage.add_arguments(parser)
+    live = parser.parse_args([]).live  # where `draftline train` (the stage's cmd) writes
+    Metrics(tmp_path / live, [{"loss": 1.0, "acc_pos/1": 0.5}], enabled=True).close()
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert f"{live}/metrics.json" in written
+
+    stage = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["train"]
+    declared = [
+        next(iter(out)) if isinstance(out, dict) else out
+        for kind in ("outs", "metrics", "plots")
+        for out in stage.get(kind) or []
+    ]
+    for path in written:
+        assert any(path == out or path.startswith(out + "/") for out in declared), path
