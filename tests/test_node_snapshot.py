@@ -31,6 +31,7 @@ def test_redact_env_records_only_the_allow_list() -> None:
         "NCCL_SOCKET_IFNAME": "eth0",
         "SGLANG_API_KEY": "sk-local-sglang",
         "MASTER_PORT": "29500",
+        "TOKENIZERS_PARALLELISM": "false",
         "PATH": "/usr/local/bin:/usr/bin",
         "HOME": "/home/u",
     }
@@ -40,6 +41,7 @@ def test_redact_env_records_only_the_allow_list() -> None:
         "NCCL_SOCKET_IFNAME": "eth0",
         "PATH": "/usr/local/bin:/usr/bin",
         "SGLANG_API_KEY": "***",
+        "TOKENIZERS_PARALLELISM": "false",
     }
     # Secret by name (GH_PAT, DB_PASS) or by value (a webhook, an api_key URL, a token):
     # every such value is scrubbed from free text; plain values are not.

@@ -84,7 +84,11 @@ def is_secret_name(name: str) -> bool:
 
 
 def is_allowed_env(name: str) -> bool:
-    return name in ENV_ALLOWED or name.startswith(ENV_ALLOWED_PREFIXES)
+    """Named in `ENV_ALLOWED` (TOKENIZERS_PARALLELISM too), or under an allowed prefix and
+    named for no secret (SGLANG_API_KEY is one)."""
+    if name in ENV_ALLOWED:
+        return True
+    return name.startswith(ENV_ALLOWED_PREFIXES) and not is_secret_name(name)
 
 
 def redact_urls(text: str) -> str:
@@ -102,7 +106,7 @@ def redact_patterns(text: str) -> str:
 
 def looks_secret(name: str, value: str) -> bool:
     """A secret by its name, or by its value: a credential-bearing URL or a random token."""
-    if is_allowed_env(name) and not is_secret_name(name):
+    if is_allowed_env(name):
         return False
     return (
         is_secret_name(name)
@@ -139,13 +143,13 @@ def redact_data(data: Any, secrets: Iterable[str] | None = None) -> Any:
 
 def redact_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allow-listed variables (`ENV_ALLOWED`), values scrubbed; a secret-named one
-    among them (SGLANG_API_KEY) only says that it is set."""
+    under an allowed prefix (SGLANG_API_KEY) only says that it is set."""
     env = dict(os.environ if env is None else env)
     secrets = secret_values(env)
     return {
-        name: REDACTED if is_secret_name(name) else redact_text(value, secrets)
+        name: redact_text(value, secrets) if is_allowed_env(name) else REDACTED
         for name, value in sorted(env.items())
-        if is_allowed_env(name)
+        if is_allowed_env(name) or name.startswith(ENV_ALLOWED_PREFIXES)
     }
 
 
