@@ -162,3 +162,18 @@ def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_
     ]
     for path in written:
         assert any(path == out or path.startswith(out + "/") for out in declared), path
+
+
+def test_salvage_after_a_fresh_repro_is_safe(finished, tmp_path):
+    """Every file a fresh `dvc repro` writes is an output: DVC pushes it or salvage commits it
+    (dvclive's summary `dvclive/train/metrics.json` once was neither: NOT SAFE forever)."""
+    repo, _ = finished
+    origin = tmp_path / "origin.git"
+    run(["git", "init", "-q", "--bare", str(origin)], tmp_path)
+    run(["git", "remote", "add", "origin", str(origin)], repo)
+    remote_dir = str(tmp_path / "dvc-remote")
+    run(["dvc", "remote", "modify", "--local", "local", "url", remote_dir], repo)
+    done = run(["draftline", "salvage", "--remote", "local"], repo, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "VERDICT: SAFE" in done.stdout
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""
