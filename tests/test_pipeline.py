@@ -5,6 +5,7 @@ Every stage runs on the embedded default (tiny target, bundled prompts) on CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -276,3 +277,39 @@ def test_the_twin_trains_with_online_features(twin, tmp_path):
         assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
     finally:
         run(["draftline", "compose", "model=tiny_qwen36"], repo)
+def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
+    """An undeclared file is neither pushed by DVC nor committed by salvage: dvclive's summary
+    `metrics.json` left every fresh run NOT SAFE. Train's own dvclive call, in a scratch dir."""
+    from draftline.stages import train as train_stage
+    from draftline.training import Metrics
+
+    parser = argparse.ArgumentParser()
+    train_stage.add_arguments(parser)
+    live = parser.parse_args([]).live  # where `draftline train` (the stage's cmd) writes
+    Metrics(tmp_path / live, [{"loss": 1.0, "acc_pos/1": 0.5}], enabled=True).close()
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert f"{live}/metrics.json" in written
+
+    stage = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["train"]
+    declared = [
+        next(iter(out)) if isinstance(out, dict) else out
+        for kind in ("outs", "metrics", "plots")
+        for out in stage.get(kind) or []
+    ]
+    for path in written:
+        assert any(path == out or path.startswith(out + "/") for out in declared), path
+
+
+def test_salvage_after_a_fresh_repro_is_safe(finished, tmp_path):
+    """Every file a fresh `dvc repro` writes is an output: DVC pushes it or salvage commits it
+    (dvclive's summary `dvclive/train/metrics.json` once was neither: NOT SAFE forever)."""
+    repo, _ = finished
+    origin = tmp_path / "origin.git"
+    run(["git", "init", "-q", "--bare", str(origin)], tmp_path)
+    run(["git", "remote", "add", "origin", str(origin)], repo)
+    remote_dir = str(tmp_path / "dvc-remote")
+    run(["dvc", "remote", "modify", "--local", "local", "url", remote_dir], repo)
+    done = run(["draftline", "salvage", "--remote", "local"], repo, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "VERDICT: SAFE" in done.stdout
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""
