@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params
+from draftline import distributed, hardware, params, target
 from draftline.atomic import write_json
 
 
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
+    target.require_model(p["model"])  # before torchrun starts workers that would each fail
     profile = hardware.resolve_profile(p["hardware"])
     relaunched = distributed.run_under_torchrun(
         int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
