@@ -3,7 +3,6 @@ missing remote credentials are each reported with their fix; warnings do not fai
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,16 +14,11 @@ from draftline.commands import doctor
 
 
 @pytest.fixture
-def node(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def node(
+    tmp_path: Path, repo_root: Path, isolated_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     """A checkout with the project's conf/ and .dvc/config, no AWS or HF state from here."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("HF_HOME", str(home / "hf"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HF_HOME", str(isolated_home / "hf"))
     root = tmp_path / "repo"
     shutil.copytree(repo_root / "conf", root / "conf")
     (root / "models").mkdir()  # as in the checkout: models/x names a local folder
