@@ -42,6 +42,18 @@ def _fill_shard_ids(data: dict[str, Any]) -> None:
         data_cfg["shard_ids"] = list(range(int(data_cfg["num_shards"])))
 
 
+def identity(p: dict[str, Any]) -> dict[str, Any]:
+    """What a run computed on: stages record it in their metrics, and `draftline plan` uses
+    measured figures only for the same target (path@revision), data and drafter."""
+    from draftline.target import model_ref
+
+    return {
+        "model": model_ref(p["model"]),
+        "data": (p.get("data") or {}).get("name"),
+        "drafter": (p.get("drafter") or {}).get("name"),
+    }
+
+
 def to_yaml(data: dict[str, Any], overrides: list[str] | None = None) -> str:
     """YAML of `data`; with overrides, headed by the command that composed it."""
     from omegaconf import OmegaConf

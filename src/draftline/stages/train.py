@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         result = train(args.data, p["model"], hp, options)
         if distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
-            write_json(args.metrics, metrics(result, hp, options, profile))
+            write_json(
+                args.metrics, {**metrics(result, hp, options, profile), **params.identity(p)}
+            )
             last = result.history[-1] if result.history else {}
             print(
                 f"train: {result.steps} steps on {result.num_sequences} sequences "
