@@ -98,3 +98,12 @@ def test_hub_ids_and_local_paths(path: str, local: bool, tmp_path: Path, monkeyp
     assert target.is_local(path) is local
     (tmp_path / "Qwen").mkdir()  # a folder here named like the org: a local path
     assert target.is_local("Qwen/Qwen3-8B") is True
+
+
+def test_a_connection_error_is_not_mistaken_for_a_path(monkeypatch):
+    def refused(path, text):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(atomic, "write_text", refused)
+    with pytest.raises(ConnectionRefusedError):
+        cli.main(["compose", "--output", "x.yaml", "--config-dir", CONF])

@@ -48,19 +48,20 @@ def short_error(err: Exception) -> str | None:
 
     if isinstance(err, HydraException):
         return hydra_message(str(err))
-    if isinstance(err, OSError):
-        where = f"{err.filename}: " if err.filename else ""
-        reason = (err.strerror or str(err).strip().splitlines()[0]).rstrip(".")
-        if isinstance(err, PermissionError) or err.errno == errno.EROFS:
-            fix = "choose a folder you can write to (--out/--output) or fix its permissions"
-        elif "huggingface" in str(err).lower():  # transformers could not load model.path
-            fix = "check model.path: a model folder here, or a hub id this node can download"
-        elif isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError)):
-            fix = "check the path: each folder on it must exist and be a folder"
-        else:
-            fix = "check the path and the disk"
-        return f"{where}{reason}; {fix}"
-    return None
+    if not isinstance(err, OSError):
+        return None
+    if "huggingface" in str(err).lower():  # transformers could not load model.path
+        first = str(err).strip().splitlines()[0].rstrip(".")
+        return f"{first}; check model.path: a model folder here, or a hub id this node can download"
+    if not err.filename:
+        return None  # a socket or other OS error, not a path the user gave: keep the traceback
+    if isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        fix = "choose a folder you can write to (--out/--output) or fix its permissions"
+    elif isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError)):
+        fix = "check the path: each folder on it must exist and be a folder"
+    else:
+        fix = "check the path and the disk"
+    return f"{err.filename}: {err.strerror}; {fix}"
 
 
 def hydra_message(text: str) -> str:
