@@ -116,6 +116,12 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
     metrics = json.loads((tmp_path / "metrics/generate/shard-0.json").read_text())
     assert metrics["resumed_samples"] == len(done_before)
     assert metrics["generated_samples"] == len(ids) - len(done_before)
+    # The run it measured, for `draftline plan`.
+    assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
+        str(model_dir),
+        "sample",
+        "dflash_tiny",
+    )
 
 
 def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):

@@ -127,18 +127,16 @@ def test_a_derived_drafter_shape_copies_the_target() -> None:
         )
 
 
-def test_doctor_says_when_hybrid_layers_run_on_the_slow_fallback(tmp_path, monkeypatch) -> None:
+def test_doctor_says_when_hybrid_layers_run_on_the_slow_fallback(monkeypatch) -> None:
     from draftline import target
     from draftline.commands import doctor
 
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": profile("qwen3_6_27b")}))
+    hybrid = {"model": profile("qwen3_6_27b")}
     monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: ["causal-conv1d"])
-    [(what, ok, detail)] = doctor._hybrid_rows()
+    [(what, ok, detail)] = doctor._hybrid_rows(hybrid)
     assert what == "hybrid layers" and ok  # said, never failed: CPU nodes have no use for them
     assert "causal-conv1d missing" in detail and "slow torch fallback" in detail
     assert "pip install -e '.[hybrid]'" in detail
     monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: [])
-    assert doctor._hybrid_rows() == [("hybrid layers", True, "fast kernels installed")]
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": profile("qwen3_8b")}))
-    assert doctor._hybrid_rows() == []
+    assert doctor._hybrid_rows(hybrid) == [("hybrid layers", True, "fast kernels installed")]
+    assert doctor._hybrid_rows({"model": profile("qwen3_8b")}) == []

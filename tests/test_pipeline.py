@@ -99,6 +99,24 @@ def test_exp_show_lists_stage_metrics(finished):
     assert "rows_kept" in shown and "tau" in shown
 
 
+def test_plan_uses_the_runs_own_metrics_and_not_for_another_target(finished):
+    """Every stage records the model, data and drafter it ran on: `draftline plan` (params.yaml)
+    takes the run's measured figures, and a plan for another target takes none of them."""
+    repo, _ = finished
+    plan = json.loads(run(["draftline", "plan", "--json"], repo).stdout)
+    assert plan["notes"] == []
+    assert plan["inputs"]["samples"]["kind"] == "measured"
+    cpu = plan["profiles"]["cpu"]["throughput"]
+    assert {cpu[k]["kind"] for k in ("generate_tok_s", "extract_tok_s", "train_tok_s")} == {
+        "measured"
+    }
+    other = json.loads(run(["draftline", "plan", "model=qwen3_8b", "--json"], repo).stdout)
+    assert other["inputs"]["samples"]["kind"] == "estimate"
+    assert len(other["notes"]) == 4 + 1 + len(
+        yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"]
+    )  # curate, validate, extract, train; the eval shard and each train shard
+
+
 def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finished):
     """`dvc exp run -S hardware=b200x8` composes params.yaml through DVC's Hydra integration;
     every stage is cached (hardware is no stage's param), and the experiment lists the metrics."""
@@ -277,6 +295,8 @@ def test_the_twin_trains_with_online_features(twin, tmp_path):
         assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
     finally:
         run(["draftline", "compose", "model=tiny_qwen36"], repo)
+
+
 def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
     """An undeclared file is neither pushed by DVC nor committed by salvage: dvclive's summary
     `metrics.json` left every fresh run NOT SAFE. Train's own dvclive call, in a scratch dir."""

@@ -7,6 +7,7 @@ prompt and the model profile's template kwargs (e.g. enable_thinking); every sta
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 
@@ -14,6 +15,42 @@ def model_ref(model: dict[str, Any]) -> str:
     """Identity of the target as recorded with outputs: path plus revision when pinned."""
     rev = model.get("revision")
     return f"{model['path']}@{rev}" if rev else str(model["path"])
+
+
+def is_local(path: str) -> bool:
+    """Whether model.path names a folder here rather than a hub id (`org/name`): absolute or
+    ./~ paths, paths that exist, more than two parts, or a first part that is a folder here
+    (`models/tiny-target`)."""
+    p = Path(path).expanduser()
+    return (
+        path.startswith((".", "~", "/"))
+        or p.exists()
+        or len(p.parts) > 2
+        or Path(p.parts[0]).is_dir()
+    )
+
+
+def missing_model(model: dict[str, Any]) -> str | None:
+    """Why model.path cannot be loaded from this machine, with the fix; None when it can
+    (a hub id is left to the hub and its cache)."""
+    path = str(model["path"])
+    if not is_local(path):
+        return None
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return None
+    what = "does not exist" if not folder.exists() else "has no config.json"
+    return (
+        f"model.path {path} {what}: point it at a Hugging Face model folder or hub id "
+        f"(`draftline compose model={model.get('name')} model.path=/path/to/model` "
+        f"or path in conf/model/{model.get('name')}.yaml)"
+    )
+
+
+def require_model(model: dict[str, Any]) -> None:
+    """Exit with one line naming the fix when model.path is a missing local folder."""
+    if message := missing_model(model):
+        raise SystemExit(message)
 
 
 @lru_cache(maxsize=4)
@@ -24,6 +61,7 @@ def _load_tokenizer(path: str, revision: str | None) -> Any:
 
 
 def load_tokenizer(model: dict[str, Any]) -> Any:
+    require_model(model)
     return _load_tokenizer(str(model["path"]), model.get("revision"))
 
 
@@ -39,6 +77,7 @@ def load_model(model: dict[str, Any], device: str = "cpu", dtype: str = "fp32") 
     import torch
     from transformers import AutoModelForCausalLM
 
+    require_model(model)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"precision {dtype!r}: use one of {sorted(dtypes)}")

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     metrics = result.metrics()
     metrics["hardware"] = describe(resolve_profile(params.get("hardware") or {}))
+    metrics.update(params_mod.identity(params))
     write_json(args.metrics, metrics)
 
     print(

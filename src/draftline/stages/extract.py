@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and distributed.rank() == 0,
         )
         if distributed.rank() == 0:
-            write_json(args.metrics, metrics(result, profile))
+            write_json(args.metrics, {**metrics(result, profile), **params.identity(p)})
             idx = result.index
             print(
                 f"extract: {idx['num_sequences']} sequences, {idx['num_tokens']} tokens in "

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         ).hexdigest(),
     )
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
-    extra = dict(hardware.describe(profile))
+    extra = {**hardware.describe(profile), **params.identity(p)}
     try:
         metrics = run_shard(
             paths,

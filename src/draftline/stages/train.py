@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params
+from draftline import distributed, hardware, params, target
 from draftline.atomic import write_json
 
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
+    target.require_model(p["model"])  # before torchrun starts workers that would each fail
     profile = hardware.resolve_profile(p["hardware"])
     relaunched = distributed.run_in_local_processes(
         int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         result = train(args.data, p["model"], hp, options)
         if distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
-            write_json(args.metrics, metrics(result, hp, options, profile))
+            write_json(
+                args.metrics, {**metrics(result, hp, options, profile), **params.identity(p)}
+            )
             last = result.history[-1] if result.history else {}
             print(
                 f"train: {result.steps} steps on {result.num_sequences} sequences "

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         f"{k:05d}": {"curated": expected[k], "generated": int(shard_counts.get(k, 0))}
         for k in shard_ids
     }
+    metrics.update(params_mod.identity(p))
     atomic.write_json(args.metrics, metrics)
     write_plots(Path(args.plots), table)
 
