@@ -161,10 +161,18 @@ def test_the_drafter_head_is_the_language_models_not_mtp_or_vision(wrapper, prof
 
 
 def test_a_text_only_checkpoint_works_too(causal_lm, profile: dict, tmp_path: Path) -> None:
-    """`Qwen3_5ForCausalLM` saved on its own: keys `model.layers.*`, `model.embed_tokens`."""
+    """`Qwen3_5ForCausalLM` saved on its own: keys `model.layers.*`, `model.embed_tokens`,
+    config `qwen3_5_text` (transformers writes the wrapper's layout back, so it is written here
+    as a text-only checkpoint is laid out)."""
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    causal_lm.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in causal_lm.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = causal_lm.config.to_dict()
+    assert config["model_type"] == "qwen3_5_text"
+    config["architectures"] = ["Qwen3_5ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     assert "model.embed_tokens.weight" in keys and "model.layers.0.linear_attn.A_log" in keys
