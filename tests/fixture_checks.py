@@ -43,8 +43,11 @@ def weight_distances(built: Path, fixture: Path) -> dict[str, float]:
     return out
 
 
-def assert_rebuild_matches(built: Path, fixture: Path) -> None:
-    """Non-weight files byte-identical, weights within WEIGHT_TOLERANCE."""
+def assert_rebuild_matches(
+    built: Path, fixture: Path, tolerance: float | None = WEIGHT_TOLERANCE
+) -> None:
+    """Non-weight files byte-identical; weights with the same names, shapes and dtypes, and
+    within `tolerance` (None: no bound, for a training run too chaotic to stay close)."""
     names = sorted(p.name for p in fixture.iterdir())
     assert sorted(p.name for p in built.iterdir()) == names
     weights = set(weight_files(fixture))
@@ -52,8 +55,10 @@ def assert_rebuild_matches(built: Path, fixture: Path) -> None:
         if name not in weights:
             assert (built / name).read_bytes() == (fixture / name).read_bytes(), name
     distances = weight_distances(built, fixture)
+    if tolerance is None:
+        return
     worst = max(distances, key=distances.__getitem__)
-    assert distances[worst] <= WEIGHT_TOLERANCE, (
+    assert distances[worst] <= tolerance, (
         f"{worst} is {distances[worst]:.3f} (relative) from the fixture, more than "
-        f"{WEIGHT_TOLERANCE}: the build is not the one that made the fixture"
+        f"{tolerance}: the build is not the one that made the fixture"
     )

@@ -211,8 +211,19 @@ def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_rebuild_reproduces_the_committed_twin(rebuilt: Path) -> None:
-    assert_rebuild_matches(rebuilt, TWIN)
+def test_rebuild_reproduces_the_committed_twin(rebuilt: Path, profile: dict) -> None:
+    """On any CPU: every file but the weights byte-identical, the weights of the same names,
+    shapes and dtypes, and a model that answers in thinking format. The weights themselves are
+    not bounded: 300 steps through the hybrid layers' torch fallback amplify rounding, and a
+    rebuild under generic kernels ended 0.62 (relative) from the fixture in one norm weight."""
+    assert_rebuild_matches(rebuilt, TWIN, tolerance=None)
+    from transformers import AutoTokenizer
+
+    model = load_model({**profile, "path": str(rebuilt)})
+    tokenizer = AutoTokenizer.from_pretrained(rebuilt)
+    prompts = sample_prompts.valid_prompts()
+    rate = tiny_target.thinking_format_rate(model, tokenizer, prompts, profile["max_new_tokens"])
+    assert rate >= 0.9, f"the rebuilt twin answers only {rate:.1%} in thinking format"
 
 
 def test_a_rebuild_on_the_same_machine_is_byte_identical(tmp_path: Path) -> None:
