@@ -27,7 +27,7 @@ def test_hydra_typo_is_one_line_with_the_options(tmp_path: Path, capsys):
     line = one_line(capsys.readouterr().err)
     assert line == (
         "draftline compose: In 'config': Could not find 'model/qwen3_9b'; Available options in "
-        "'model': qwen3_6_27b, qwen3_8b, tiny (--verbose for the traceback)"
+        "'model': qwen3_6_27b, qwen3_8b, tiny, tiny_qwen36 (--verbose for the traceback)"
     )
     with pytest.raises(MissingConfigException):
         cli.main(["--verbose", "compose", "model=qwen3_9b", "--output", out, "--config-dir", CONF])
