@@ -345,12 +345,12 @@ def thinking_format_rate(
     enable_thinking: bool = True,
 ) -> float:
     """Share of `prompts` answered in thinking format by greedy decoding."""
-    from draftline.loss_mask import SpecialIds, prompt_opens_think
+    from draftline.loss_mask import prompt_opens_think, special_ids
     from draftline.target import prompt_ids
 
     ids = [prompt_ids(tokenizer, p, {"enable_thinking": enable_thinking}) for p in prompts]
     completions = greedy_completions(model, tokenizer, ids, max_new_tokens)
-    tags = SpecialIds(*(tokenizer.convert_tokens_to_ids(t) for t in (IM_END, THINK, END_THINK)))
+    tags = special_ids(tokenizer, IM_END)
     good = sum(
         reply_is_thinking_format(c, tokenizer, prompt_opens_think(p, tags))
         for p, c in zip(ids, completions, strict=True)
