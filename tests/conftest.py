@@ -31,8 +31,7 @@ def tiny_target_dir() -> Path:
 
 
 def pytest_report_header() -> str:
-    """Which float kernels this run uses (rerun `-m float_kernels` under generic ones to
-    check that no result depends on this processor)."""
+    """Which float kernels this run uses (.ci/run reruns some tests under generic ones)."""
     import torch
 
     env = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")

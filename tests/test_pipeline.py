@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -160,6 +161,45 @@ def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     assert not (repo / "data/extracted").exists()
 
 
+# Torch's most generic CPU kernels and MKL's processor-independent code path: a run under them
+# rounds floats as a processor without AVX2/AVX-512 would (see .ci/run).
+GENERIC_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+}
+# Stages whose outputs are bit-exact on any machine (no float arithmetic decides them, or, for
+# generate, greedy decoding with a given engine identity); the float stages after them are
+# deterministic per machine only.
+BIT_EXACT_STAGES = ("curate", "generate@0", "generate@1", "generate@2", "generate@3",
+                    "generate_eval", "validate")  # fmt: skip
+# How far the trained tau may move between machines (README, "Reproducibility"). Measured: 3.539
+# (AVX-512) vs 3.499 (AVX2) on the embedded default.
+TAU_BOUND = 0.25
+
+
+def out_hashes(repo: Path, stage: str) -> dict[str, str]:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    return {o["path"]: o["md5"] for o in lock.get("outs") or []}
+
+
+def test_another_processor_gives_the_same_data_and_tau_within_the_bound(finished, tmp_path):
+    """The same pipeline under generic float kernels: data stages are bit-exact, tau moves by at
+    most TAU_BOUND."""
+    repo, _ = finished
+    other = copy_project(tmp_path / "generic")
+    env = {**ENV, **GENERIC_KERNELS}
+    done = subprocess.run(
+        [str(BIN / "dvc"), "repro"], cwd=other, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for stage in BIT_EXACT_STAGES:
+        assert out_hashes(other, stage) == out_hashes(repo, stage), stage
+    tau = json.loads((repo / "metrics/evaluate.json").read_text())["tau"]
+    generic = json.loads((other / "metrics/evaluate.json").read_text())["tau"]
+    assert abs(generic - tau) <= TAU_BOUND, (tau, generic)
+
+
 # The Qwen3.6 twin (models/tiny-qwen36): the production target's layout in miniature, end to end.
 ALL_STAGES = {
     "curate", "generate@0", "generate@1", "generate@2", "generate@3", "generate_eval",
@@ -186,6 +226,75 @@ def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
     assert config["dflash_config"]["mask_token_id"] == mask
     shown = run(["dvc", "exp", "show", "--json"], repo).stdout
     assert "tau_ratio" in shown
+
+
+def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
+    """The twin's generated shards with every answer replaced by `OK.<|im_end|>` (the seed's
+    pathology), the columns recomputed by the library as `generate` computes them."""
+    from transformers import AutoTokenizer
+
+    from draftline.loss_mask import completion_stats, prompt_opens_think, special_ids
+    from draftline.quality import completion_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(repo / "models/tiny-qwen36")
+    special = special_ids(tokenizer, "<|im_end|>")
+    ok = tokenizer("OK.", add_special_tokens=False)["input_ids"] + [special.end_of_turn]
+    frames = []
+    for shard in sorted((repo / "data/generated/train").glob("shard-*.parquet")):
+        frame = pd.read_parquet(shard)
+        stats = [
+            completion_stats(ok, special, think_open=prompt_opens_think(p, special))
+            for p in frame["prompt_ids"]
+        ]
+        frame["completion_ids"] = [ok] * len(frame)
+        frame["num_completion_tokens"] = len(ok)
+        frame["finish_reason"] = "stop"
+        frame["has_think_block"] = [s.has_think_block for s in stats]
+        frame["think_tokens"] = [s.think_tokens for s in stats]
+        frame["answer_tokens"] = [s.answer_tokens for s in stats]
+        frame["loss_mask_sum"] = [s.loss_mask_sum for s in stats]
+        frame["completion_hash"] = completion_hash(ok)
+        frame["completion_text"] = "OK.<|im_end|>"
+        frames.append((shard, frame))
+    return frames
+
+
+def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin, tmp_path):
+    from draftline.guard import Guard, GuardAbort
+    from draftline.quality import COLUMNS
+
+    repo, _ = twin
+    bad = copy_project(tmp_path / "bad")
+    shutil.copytree(repo / "data/curated", bad / "data/curated")
+    shutil.copytree(repo / "metrics", bad / "metrics")
+    (bad / "data/generated/train").mkdir(parents=True)
+    frames = ok_answers(repo)
+    for shard, frame in frames:
+        frame.to_parquet(bad / "data/generated/train" / shard.name)
+    run(["draftline", "compose", "model=tiny_qwen36"], bad)
+    done = run(["draftline", "validate", "--no-progress"], bad, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "supervised_tokens_min" in done.stderr and "think_block_share" in done.stderr
+    assert json.loads((bad / "metrics/validate.json").read_text())["passed"] is False
+
+    params = yaml.safe_load((bad / "params.yaml").read_text())
+    guard = Guard(params["quality"], thinking=True, max_new_tokens=128, think_in_prompt=True)
+    with pytest.raises(GuardAbort, match="without closing the <think> block the prompt opened"):
+        for record in frames[0][1].to_dict("records"):
+            guard.observe({k: record[k] for k in (*COLUMNS, "think_tokens")})
+
+
+def test_the_twin_trains_with_online_features(twin, tmp_path):
+    """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training."""
+    repo, _ = twin
+    run(["draftline", "compose", "model=tiny_qwen36", "extract.features=online"], repo)
+    try:
+        done = run(["dvc", "repro", "evaluate"], repo)
+        assert {"extract", "train", "evaluate"} <= set(ran_stages(done.stdout))
+        ev = json.loads((repo / "metrics/evaluate.json").read_text())
+        assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
+    finally:
+        run(["draftline", "compose", "model=tiny_qwen36"], repo)
 
 
 def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
