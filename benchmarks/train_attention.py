@@ -5,31 +5,37 @@ One training step (drafter forward, weighted block loss, backward) on one sequen
 invocation: with `block_prefix_attention` (each chunk of blocks sees the context up to its
 largest anchor plus its own blocks) and with `dense_block_attention` (one SDPA over
 [context ; all blocks] with a dense [N*B, T + N*B] mask, the SpecForge-style formulation).
-Both are the same math: the outputs and gradients are compared in this process; speed and
-peak memory are measured in one fresh subprocess per formulation so neither inherits the
-other's allocations.
+Both are the same math: the outputs and gradients are compared in this process; speed is
+measured here too, the formulations alternating round after round so that the machine's load
+hits both alike; peak memory is measured in one fresh subprocess per formulation so neither
+inherits the other's allocations.
 
     python benchmarks/train_attention.py [--seq 2048] [--anchors 256] [--block 16] [--json out]
 
-Reports training tokens/s (sequence tokens per second of step time), the step's peak RSS
-above the process's resident size before it, and the ratios blockwise / dense.
+Reports, for the whole training step and for one layer's attention alone (forward and
+backward on random queries, keys and values of the same shapes): sequence tokens per second,
+peak RSS above the resident size before a run (after a warm-up run), and the ratios
+blockwise / dense. The step's peak is mostly activations and the loss, which both
+formulations share; the attention alone shows what the formulation itself costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from peak_memory import peak_bytes, reset_peak, rss_bytes
 
-from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.dflash import ATTENTION_IMPLEMENTATIONS, DFlashConfig, DFlashDrafter, TargetHead
 from draftline.objective import block_loss, position_weights
 
 IMPLEMENTATIONS = ("blockwise", "dense")
@@ -47,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--steps", type=int, default=3, help="timed rounds after one warm-up")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--worker", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
@@ -99,25 +105,80 @@ def train_step(drafter: DFlashDrafter, case: dict[str, torch.Tensor], impl: str)
     return hidden.detach()
 
 
-def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Time and measure one formulation in this (fresh) process."""
-    torch.set_num_threads(args.threads)
-    drafter, case = make_case(args)
+def attention_inputs(
+    drafter: DFlashDrafter, case: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Random queries, keys and values of one drafter layer's attention on the case's shapes."""
+    config = drafter.config
+    b, n, s = case["block_ids"].shape
+    t = case["features"].shape[1]
+    h, kvh, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes = [(b, n, s, h, d), (b, n, s, kvh, d), (b, n, s, kvh, d), (b, t, kvh, d), (b, t, kvh, d)]
+    return tuple(torch.randn(shape, requires_grad=True) for shape in shapes)
+
+
+def attention_step(
+    attend: Any, inputs: tuple[torch.Tensor, ...], anchors: torch.Tensor, scale: float
+) -> None:
+    """The attention alone, forward and backward."""
+    attend(*inputs, anchors, scale).square().sum().backward()
+
+
+def peak_after_warm_up(work: Any) -> int:
+    """Peak memory of one run of `work` after a warm-up, above the resident size before it.
+
+    The warm-up is not in the peak: it holds one-off allocations (thread pools, kernels).
+    """
+    work()
     before = rss_bytes()
     reset_peak()
-    train_step(drafter, case, args.worker)  # warm-up; also sets the peak
-    times = []
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        train_step(drafter, case, args.worker)
-        times.append(time.perf_counter() - began)
-    peak = peak_bytes()
-    step_s = statistics.median(times)
+    work()
+    return peak_bytes() - before
+
+
+def worker(args: argparse.Namespace) -> dict[str, int]:
+    """Peak memory of one formulation, measured in this (fresh) process."""
+    torch.set_num_threads(args.threads)
+    drafter, case = make_case(args)
+    attend = ATTENTION_IMPLEMENTATIONS[args.worker]
+    inputs = attention_inputs(drafter, case)
+    scale = drafter.config.head_dim**-0.5
     return {
-        "implementation": args.worker,
-        "step_s": step_s,
-        "tokens_per_s": args.batch * args.seq / step_s,
-        "peak_step_bytes": peak - before,
+        "peak_step_bytes": peak_after_warm_up(lambda: train_step(drafter, case, args.worker)),
+        "peak_attention_bytes": peak_after_warm_up(
+            lambda: attention_step(attend, inputs, case["anchors"], scale)
+        ),
+    }
+
+
+def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median seconds per formulation of a training step and of the attention alone.
+
+    The formulations alternate in one process, round after round (the first is a warm-up),
+    so a change in the machine's load hits both alike.
+    """
+    torch.set_num_threads(args.threads)
+    drafter, case = make_case(args)
+    inputs = attention_inputs(drafter, case)
+    scale = drafter.config.head_dim**-0.5
+    times: dict[str, dict[str, list[float]]] = {
+        impl: {"step_s": [], "attention_s": []} for impl in IMPLEMENTATIONS
+    }
+    for round_ in range(args.steps + 1):
+        for impl in IMPLEMENTATIONS:
+            attend = ATTENTION_IMPLEMENTATIONS[impl]
+            work = {
+                "step_s": partial(train_step, drafter, case, impl),
+                "attention_s": partial(attention_step, attend, inputs, case["anchors"], scale),
+            }
+            for name, run in work.items():
+                began = time.perf_counter()
+                run()
+                if round_:
+                    times[impl][name].append(time.perf_counter() - began)
+    return {
+        impl: {name: statistics.median(values) for name, values in runs.items()}
+        for impl, runs in times.items()
     }
 
 
@@ -141,7 +202,10 @@ def compare_outputs(args: argparse.Namespace) -> dict[str, float]:
 
 def run_worker(argv: list[str], impl: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, *argv, "--worker", impl]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    # A fixed mmap threshold: glibc hands every large block back to the kernel when it is
+    # freed, so resident memory follows the tensors alive instead of malloc's cache.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -158,7 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
     ]
     equal = compare_outputs(args)
-    runs = {impl: run_worker(forwarded, impl) for impl in IMPLEMENTATIONS}
+    tokens = args.batch * args.seq
+    runs = {}
+    for impl, seconds in timings(args).items():
+        runs[impl] = {
+            "implementation": impl,
+            **seconds,
+            "tokens_per_s": tokens / seconds["step_s"],
+            "attention_tokens_per_s": tokens / seconds["attention_s"],
+            **run_worker(forwarded, impl),
+        }
     block, dense = runs["blockwise"], runs["dense"]
     report = {
         "case": {k: getattr(args, k) for k in ("seq", "anchors", "block", "batch", "hidden")},
@@ -168,16 +241,23 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "tokens_per_s_ratio": block["tokens_per_s"] / dense["tokens_per_s"],
         "peak_memory_ratio": block["peak_step_bytes"] / dense["peak_step_bytes"],
+        "attention_tokens_per_s_ratio": block["attention_tokens_per_s"]
+        / dense["attention_tokens_per_s"],
+        "attention_peak_memory_ratio": block["peak_attention_bytes"]
+        / dense["peak_attention_bytes"],
     }
     print(f"case: {report['case']}")
     for impl, r in runs.items():
         print(
             f"  {impl:9s} step {r['step_s']:7.3f} s  {r['tokens_per_s']:9.0f} tok/s  "
-            f"peak +{r['peak_step_bytes'] / 2**20:8.1f} MiB"
+            f"peak +{r['peak_step_bytes'] / 2**20:8.1f} MiB | attention alone "
+            f"{r['attention_s']:7.3f} s  peak +{r['peak_attention_bytes'] / 2**20:8.1f} MiB"
         )
     print(
-        f"blockwise/dense: tokens/s x{report['tokens_per_s_ratio']:.2f}, "
-        f"peak memory x{report['peak_memory_ratio']:.3f}"
+        f"blockwise/dense: training step tokens/s x{report['tokens_per_s_ratio']:.2f}, "
+        f"peak memory x{report['peak_memory_ratio']:.3f}; attention alone tokens/s "
+        f"x{report['attention_tokens_per_s_ratio']:.2f}, peak memory "
+        f"x{report['attention_peak_memory_ratio']:.3f}"
     )
     print(
         f"outputs equal: {report['outputs_equal']} (hidden max |diff| "

@@ -28,3 +28,26 @@ def tiny_target_dir() -> Path:
         "models/tiny-target is missing: draftline build-tiny-target"
     )
     return path
+
+
+def pytest_report_header() -> str:
+    """Which float kernels this run uses (.ci/run reruns some tests under generic ones)."""
+    import torch
+
+    env = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+    chosen = ", ".join(f"{k}={os.environ[k]}" for k in env if k in os.environ) or "defaults"
+    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({chosen})"
+
+
+@pytest.fixture
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A HOME of its own and no AWS settings from this machine, so credential lookups (DVC's
+    config, botocore) run for real on what the test sets up."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return home

@@ -121,7 +121,8 @@ def make_workdir(
             "chat_template_kwargs": {"enable_thinking": True},
             "max_new_tokens": max_new_tokens,
         },
-        "data": {"num_shards": 1, "shard_ids": [0]},
+        "data": {"name": "sample", "num_shards": 1, "shard_ids": [0]},
+        "drafter": {"name": "dflash_tiny"},
         "hardware": hardware
         or {
             "name": "cpu",

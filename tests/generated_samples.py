@@ -129,8 +129,12 @@ def write_params(
     conf = Path(__file__).resolve().parents[1] / "conf" / "quality" / "default.yaml"
     quality_cfg = yaml.safe_load(conf.read_text()) | quality_overrides
     params = {
-        "model": {"chat_template_kwargs": {"enable_thinking": thinking}},
-        "data": {"num_shards": num_shards, "shard_ids": list(range(num_shards))},
+        "model": {
+            "path": "models/tiny-target",
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        },
+        "data": {"name": "sample", "num_shards": num_shards, "shard_ids": list(range(num_shards))},
+        "drafter": {"name": "dflash_tiny"},
         "quality": quality_cfg,
     }
     (root / "params.yaml").write_text(yaml.safe_dump(params))

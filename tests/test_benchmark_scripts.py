@@ -40,6 +40,7 @@ def test_blockwise_and_dense_training_attention_agree(tmp_path: Path) -> None:
     assert report["equality"]["grad_max_rel_diff"] < 1e-3
     for run in report["runs"].values():
         assert run["tokens_per_s"] > 0 and run["peak_step_bytes"] > 0
+        assert run["attention_tokens_per_s"] > 0 and run["peak_attention_bytes"] > 0
 
 
 def test_extraction_equals_the_naive_reference(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +145,11 @@ def test_compose_writes_and_check_detects_staleness(tmp_path: Path, repo_root: P
     assert written.returncode == 0, written.stderr
     data = yaml.safe_load(out.read_text())
     assert data["hardware"]["name"] == "b200x8" and data["data"]["shard_ids"] == [0, 1, 2]
-    stale = run_cli("compose", "--check", "--output", str(out), "--config-dir", conf, cwd=tmp_path)
+    # Checked against other overrides than those it was composed with.
+    stale = run_cli(
+        "compose", "--check", "hardware=b200x8", "--output", str(out), "--config-dir", conf,
+        cwd=tmp_path,
+    )  # fmt: skip
     assert stale.returncode == 1 and "stale" in stale.stdout
     unknown = run_cli(
         "compose", "hardware=nope", "--output", str(out), "--config-dir", conf, cwd=tmp_path
@@ -178,3 +184,42 @@ def test_composed_target_id_is_the_hash_of_the_target_folder(repo_root: Path, mo
     monkeypatch.chdir(repo_root)  # model.path is relative to the repository root
     composed = params.compose([], repo_root / "conf")
     assert composed["model"]["target_id"] == target_id(str(repo_root / "models/tiny-target"))
+
+
+def test_check_honours_the_overrides_params_was_composed_with(tmp_path: Path, repo_root: Path):
+    out = tmp_path / "params.yaml"
+    conf = ["--output", str(out), "--config-dir", str(repo_root / "conf")]
+    overrides = ["model=qwen3_8b", "data=sharegpt", "data.sources=[a,b]"]
+    assert run_cli("compose", *overrides, *conf, cwd=tmp_path).returncode == 0
+    checked = run_cli("compose", "--check", *conf, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout
+    assert "up to date with `draftline compose model=qwen3_8b data=sharegpt" in checked.stdout
+    # A hand edit is still stale, and the fix names the recorded overrides.
+    out.write_text(out.read_text().replace("max_reject_rate: 0.5", "max_reject_rate: 0.9"))
+    stale = run_cli("compose", "--check", *conf, cwd=tmp_path)
+    assert stale.returncode == 1
+    assert "run `draftline compose model=qwen3_8b data=sharegpt 'data.sources=[a,b]'`" in (
+        stale.stdout
+    )
+    # Overrides given to --check win over the recorded ones.
+    assert run_cli("compose", "--check", "model=tiny", *conf, cwd=tmp_path).returncode == 1
+
+
+def test_compose_to_stdout_and_through_a_fifo(tmp_path: Path, repo_root: Path):
+    conf = ["--config-dir", str(repo_root / "conf")]
+    printed = run_cli("compose", "hardware=b200x8", "--output", "-", *conf, cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.startswith("# draftline compose hardware=b200x8\n")
+    assert yaml.safe_load(printed.stdout)["hardware"]["name"] == "b200x8"
+    assert not (tmp_path / "-").exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so the writer does not block
+    try:
+        written = run_cli("compose", "--output", str(fifo), *conf, cwd=tmp_path)
+        assert written.returncode == 0, written.stderr
+        assert stat.S_ISFIFO(fifo.lstat().st_mode), "the FIFO was replaced by a file"
+        text = os.read(reader, 1 << 20).decode()
+    finally:
+        os.close(reader)
+    assert yaml.safe_load(text)["model"]["name"] == "tiny"

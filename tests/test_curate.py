@@ -410,7 +410,9 @@ def write_params(root: Path, tiny_target_dir: Path, sources: list[Path], **data:
     params = {
         "model": {"path": str(tiny_target_dir), "revision": None,
                   "chat_template_kwargs": THINKING},
-        "data": {"sources": [str(s) for s in sources], "eval_fraction": 0.2, "num_shards": 3,
+        "drafter": {"name": "dflash_tiny"},
+        "data": {"name": "mixed", "sources": [str(s) for s in sources], "eval_fraction": 0.2,
+                 "num_shards": 3,
                  "shard_ids": [0, 1, 2], "max_prompt_tokens": BUDGET, "max_reject_rate": 0.25,
                  "split_seed": "test", **data},
         "hardware": {"name": "cpu", "engine": "local", "precision": "fp32"},
@@ -480,6 +482,13 @@ def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_t
     params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.5)
     assert stage.run(stage_args(params, out, metrics_path)) == 0
     assert "FAILED" not in capsys.readouterr().err
+    # The run it measured, for `draftline plan`.
+    metrics = json.loads(metrics_path.read_text())
+    assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
+        str(tiny_target_dir),
+        "mixed",
+        "dflash_tiny",
+    )
 
 
 def test_two_runs_give_byte_identical_outputs(tmp_path, tiny_target_dir):

@@ -8,6 +8,8 @@ import torch
 from draftline import dflash
 from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 
 VOCAB, HIDDEN, BLOCK = 50, 32, 4

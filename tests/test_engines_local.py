@@ -15,6 +15,8 @@ from draftline.engines.base import Request, Result, Sampling
 from draftline.engines.local import LocalEngine
 from draftline.loss_mask import completion_stats, special_ids
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 
 

@@ -26,6 +26,8 @@ from draftline.evaluation import (
 from draftline.features import target_layer_states
 from draftline.stages import evaluate as evaluate_stage
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 B = 4
 LAYER_IDS = [1, 2, 4]

@@ -22,6 +22,8 @@ from transformers import AutoConfig, Qwen3Model
 from draftline.dflash import DFlashDrafter
 from draftline.export import export_drafter, load_drafter
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 
 LAYERS = 2

@@ -26,6 +26,7 @@ from draftline.extraction import (
 )
 from draftline.loss_mask import loss_mask
 
+pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
 TESTS = Path(__file__).resolve().parent
 LAYER_IDS = [1, 2, 4]

@@ -8,6 +8,8 @@ from tiny_qwen3 import VOCAB, tiny_qwen3
 
 from draftline.features import target_layer_states
 
+pytestmark = pytest.mark.float_kernels
+
 torch.set_num_threads(1)
 LAYER_IDS = [1, 2, 4]  # of 6 layers: layer 5 and the final norm are never needed
 

@@ -116,6 +116,12 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
     metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
     assert metrics["resumed_samples"] == len(done_before)
     assert metrics["generated_samples"] == len(ids) - len(done_before)
+    # The run it measured, for `draftline plan`.
+    assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
+        str(model_dir),
+        "sample",
+        "dflash_tiny",
+    )
 
 
 def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):
@@ -203,3 +209,23 @@ def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_pa
         assert sorted(again.sample_ids()[asked_before:]) == ids
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids and {r["finish_reason"] for r in table} == {"stop"}
+
+
+def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir):
+    """Two endpoints in DRAFTLINE_SGLANG_ENDPOINTS; one dies mid-shard. The stage goes on with
+    the other and the shard holds every curated id exactly once, with no error row."""
+    alive = StandIn(tmp_path, "--delay", "0.02")
+    dies = StandIn(tmp_path, "--delay", "0.02", "--die-after", "30")
+    ids = make_workdir(
+        tmp_path, model_dir, n=160, hardware=sglang_hardware(alive.port, 8), max_new_tokens=64
+    )
+    with alive, dies:
+        endpoints = f"{alive.url},{dies.url}"
+        proc = run_generate(tmp_path, "--shard", "0", env={"DRAFTLINE_SGLANG_ENDPOINTS": endpoints})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert dies.proc.wait(5) != 0  # it did die, mid-shard
+        served_by_dying = set(dies.sample_ids())
+    assert 20 <= len(served_by_dying) < len(ids)
+    table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
+    assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)

@@ -39,9 +39,16 @@ MAX_NEW = 2048
 JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
 
 
-def row(i: int, completion: list[int], finish: str = "stop", error: str | None = None) -> dict:
-    """The scalar columns `generate` writes for one sample, computed by the library."""
-    stats = completion_stats(completion, SPECIAL)
+def row(
+    i: int,
+    completion: list[int],
+    finish: str = "stop",
+    error: str | None = None,
+    think_open: bool = False,
+) -> dict:
+    """The scalar columns `generate` writes for one sample, computed by the library.
+    think_open: the prompt opened the think block (Qwen3.6's template)."""
+    stats = completion_stats(completion, SPECIAL, think_open=think_open)
     return {
         "id": f"s{i:06d}",
         "num_completion_tokens": len(completion),
@@ -60,21 +67,24 @@ def tokens(i: int, n: int) -> list[int]:
     return [10 + (digest[k % 32] + k * 7) % 1000 for k in range(n)]
 
 
-def healthy(i: int, thinking: bool = True) -> dict:
-    """A varied, well-formed completion: think block (when on), answer, end of turn."""
+def healthy(i: int, thinking: bool = True, think_open: bool = False) -> dict:
+    """A varied, well-formed completion: think block (when on), answer, end of turn. With
+    think_open the prompt holds the `<think>`, so the completion starts with the reasoning."""
     think, answer = tokens(i, 40 + i * 37 % 600), tokens(i + 1, 20 + i * 13 % 200)
-    body = [3, *think, 4, *answer] if thinking else answer
-    return row(i, [*body, 2])
+    opening = [] if think_open else [3]
+    body = [*opening, *think, 4, *answer] if thinking else answer
+    return row(i, [*body, 2], think_open=think_open and thinking)
 
 
-def empty(i: int) -> dict:
+def empty(i: int, think_open: bool = False) -> dict:
     """The seed's failure: `OK.<|im_end|>`, two tokens then end of turn, no think block."""
-    return row(i, [10 + i % 3, 11, 2])
+    return row(i, [10 + i % 3, 11, 2], think_open=think_open)
 
 
-def truncated(i: int) -> dict:
+def truncated(i: int, think_open: bool = False) -> dict:
     """Cut at max_new_tokens inside a think block that never closes."""
-    return row(i, [3, *tokens(i, MAX_NEW - 1)], finish="length")
+    opening = [] if think_open else [3]
+    return row(i, [*opening, *tokens(i, MAX_NEW - len(opening))], "length", think_open=think_open)
 
 
 def feed(guard: Guard, rows: Any) -> int:
@@ -86,8 +96,15 @@ def feed(guard: Guard, rows: Any) -> int:
     return n
 
 
-def make_guard(thinking: bool = True, quality: dict | None = None) -> Guard:
-    return Guard(quality or DEFAULT_QUALITY, thinking=thinking, max_new_tokens=MAX_NEW)
+def make_guard(
+    thinking: bool = True, quality: dict | None = None, think_in_prompt: bool = False
+) -> Guard:
+    return Guard(
+        quality or DEFAULT_QUALITY,
+        thinking=thinking,
+        max_new_tokens=MAX_NEW,
+        think_in_prompt=think_in_prompt,
+    )
 
 
 def abort_of(guard: Guard, rows: Any) -> tuple[int, str]:
@@ -230,3 +247,30 @@ def test_shard_through_the_standin_aborts_early_and_keeps_its_journal(
     assert set(journaled) <= set(ids) and set(journaled) <= set(asked)
     expected_reason = "stop" if mode == "empty" else "length"
     assert {r.finish_reason for r in journaled.values()} == {expected_reason}
+
+
+# The same cases when the chat template opens <think> in the prompt (Qwen3.6): good replies pass,
+# the seed's pathology and truncation inside the think block abort, each naming its cause.
+
+
+def test_healthy_replies_after_an_opened_think_are_never_aborted():
+    guard = make_guard(think_in_prompt=True)
+    rows = (healthy(i, think_open=True) for i in range(2000))
+    assert feed(guard, rows) == 2000
+
+
+def test_empty_replies_after_an_opened_think_abort_naming_the_cause():
+    guard = make_guard(think_in_prompt=True)
+    seen, message = abort_of(guard, (empty(i, think_open=True) for i in range(100_000)))
+    assert seen <= 100
+    assert "think_block_share" in message and "supervised_tokens_min" in message
+    assert "without closing the <think> block the prompt opened" in message
+    assert "`OK.<|im_end|>`" in message
+
+
+def test_truncation_inside_an_opened_think_aborts_naming_max_new_tokens():
+    guard = make_guard(think_in_prompt=True)
+    seen, message = abort_of(guard, (truncated(i, think_open=True) for i in range(100_000)))
+    assert seen <= 100
+    assert f"100% of responses hit max_new_tokens={MAX_NEW}" in message
+    assert "inside an unclosed <think>" in message

@@ -10,6 +10,7 @@ from draftline.loss_mask import (
     cut_at_end_of_turn,
     loss_mask,
     loss_mask_sum,
+    prompt_opens_think,
     special_ids,
 )
 
@@ -70,3 +71,62 @@ def test_special_ids_come_from_the_tokenizer(tmp_path):
     assert ids.think_end == tok.convert_tokens_to_ids("</think>")
     with pytest.raises(ValueError, match="not in the target tokenizer"):
         special_ids(tok, "<|no_such_token|>")
+
+
+# Qwen3.6 style: the chat template ends the prompt with `<think>\n`, so the completion starts
+# inside the think block and holds no `<think>` of its own.
+PROMPT_CLOSED = [7, 8, 9]  # ... <|im_start|>assistant\n  (Qwen3)
+PROMPT_OPEN = [7, 8, 9, THINK, 10]  # ... <|im_start|>assistant\n<think>\n  (Qwen3.6)
+PROMPT_OFF = [7, 8, 9, THINK, 10, END, 10]  # thinking off: an empty, closed think block
+
+
+def test_prompt_opens_think_tells_the_template_styles_apart():
+    assert not prompt_opens_think(PROMPT_CLOSED, IDS)
+    assert prompt_opens_think(PROMPT_OPEN, IDS)
+    assert not prompt_opens_think(PROMPT_OFF, IDS)
+    # History turns' closed think blocks before an open one do not matter, nor do tokenizers
+    # without think tags.
+    assert prompt_opens_think([THINK, 1, END, 5, THINK, 6], IDS)
+    assert not prompt_opens_think(PROMPT_OPEN, SpecialIds(EOT, None, None))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion"),
+    [
+        (PROMPT_CLOSED, [THINK, 10, 11, 12, END, 20, 21, EOT]),
+        (PROMPT_OPEN, [10, 11, 12, END, 20, 21, EOT]),
+    ],
+    ids=["think-in-completion", "think-in-prompt"],
+)
+def test_both_template_styles_count_the_same_thinking_reply(prompt, completion):
+    stats = completion_stats(completion, IDS, think_open=prompt_opens_think(prompt, IDS))
+    assert stats.has_think_block
+    assert (stats.think_tokens, stats.answer_tokens) == (3, 2)
+    # The mask is the completion in both styles: a <think> in the prompt is never supervised.
+    mask = loss_mask(len(prompt), completion)
+    assert sum(mask) == stats.loss_mask_sum == len(completion)
+    assert mask[: len(prompt)] == [0] * len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion"),
+    [(PROMPT_CLOSED, [THINK, 10, 11, 12]), (PROMPT_OPEN, [10, 11, 12])],
+    ids=["think-in-completion", "think-in-prompt"],
+)
+def test_truncated_inside_the_think_block_in_both_styles(prompt, completion):
+    stats = completion_stats(completion, IDS, think_open=prompt_opens_think(prompt, IDS))
+    assert not stats.has_think_block
+    assert (stats.think_tokens, stats.answer_tokens) == (3, 0)
+
+
+def test_the_ok_reply_after_an_opened_think_is_no_think_block_and_no_answer():
+    # `OK.<|im_end|>` written inside the think block the prompt opened.
+    stats = completion_stats([40, 41, EOT], IDS, think_open=True)
+    assert not stats.has_think_block
+    assert (stats.think_tokens, stats.answer_tokens, stats.loss_mask_sum) == (2, 0, 3)
+
+
+def test_thinking_off_prompt_makes_the_reply_all_answer():
+    stats = completion_stats([30, 31, EOT], IDS, think_open=prompt_opens_think(PROMPT_OFF, IDS))
+    assert not stats.has_think_block
+    assert (stats.think_tokens, stats.answer_tokens) == (0, 2)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftline.objective import (
     anchor_generator,
@@ -18,6 +21,7 @@ from draftline.objective import (
     sample_anchors,
 )
 
+pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
 
 
@@ -114,3 +118,48 @@ def test_block_loss_is_weighted_cross_entropy_with_per_position_accuracy(monkeyp
     hidden.grad = None
     expected.backward()
     assert torch.allclose(chunked, hidden.grad, atol=1e-5)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any op allocates (outputs that are views of inputs excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = (0, "")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                size = t.untyped_storage().nbytes()
+                if size > self.largest[0]:
+                    self.largest = (size, f"{func}: {t.dtype} {tuple(t.shape)}")
+        return out
+
+
+def test_block_loss_under_bf16_autocast_makes_no_copy_of_the_head():
+    """A bf16 head stays bf16: the matmul runs in the autocast dtype and only each logits chunk
+    becomes fp32 (at vocab 248320 x hidden 5120 an fp32 copy of the head is 4.7 GiB)."""
+    torch.manual_seed(0)
+    vocab, hidden_size, tokens, chunk = 2048, 256, 96, 32
+    head = (torch.randn(vocab, hidden_size) * 0.02).to(torch.bfloat16)
+    # fp32 hidden states, as the drafter's final RMSNorm returns them under autocast.
+    hidden = torch.randn(1, tokens // 4, 4, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens // 4, 4))
+    weights = position_weights(4, 4.0).expand(1, tokens // 4, 4).contiguous()
+    with LargestAllocation() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = block_loss(hidden, head, labels, weights, tokens_per_chunk=chunk)
+        parts.weighted_ce.backward()
+    logits_chunk = chunk * vocab * 4
+    assert seen.largest[0] <= logits_chunk < head.numel() * 2, seen.largest
+    # The same loss as fp32 logits of the bf16 matmul.
+    logits = F.linear(hidden.detach().bfloat16(), head).float().reshape(-1, vocab)
+    ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    expected = (ce * weights.reshape(-1)).sum()
+    assert torch.allclose(parts.weighted_ce, expected, rtol=1e-3)
+    assert hidden.grad is not None and hidden.grad.dtype == torch.float32

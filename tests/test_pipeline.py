@@ -5,6 +5,7 @@ Every stage runs on the embedded default (tiny target, bundled prompts) on CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -37,6 +39,7 @@ def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedPr
 
 
 def copy_project(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
         text=True, check=True,
@@ -189,6 +192,24 @@ def test_plots_are_titled_with_named_axes(finished):
     assert positions == {str(k) for k in range(1, 8)}  # block size 8: positions 1..7, one chart
 
 
+def test_plan_uses_the_runs_own_metrics_and_not_for_another_target(finished):
+    """Every stage records the model, data and drafter it ran on: `draftline plan` (params.yaml)
+    takes the run's measured figures, and a plan for another target takes none of them."""
+    repo, _ = finished
+    plan = json.loads(run(["draftline", "plan", "--json"], repo).stdout)
+    assert plan["notes"] == []
+    assert plan["inputs"]["samples"]["kind"] == "measured"
+    cpu = plan["profiles"]["cpu"]["throughput"]
+    assert {cpu[k]["kind"] for k in ("generate_tok_s", "extract_tok_s", "train_tok_s")} == {
+        "measured"
+    }
+    other = json.loads(run(["draftline", "plan", "model=qwen3_8b", "--json"], repo).stdout)
+    assert other["inputs"]["samples"]["kind"] == "estimate"
+    assert len(other["notes"]) == 4 + 1 + len(
+        yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"]
+    )  # curate, validate, extract, train; the eval shard and each train shard
+
+
 def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finished):
     """`dvc exp run -S hardware=b200x8` composes params.yaml through DVC's Hydra integration;
     every stage is cached (hardware is no stage's param), and the experiment lists the metrics."""
@@ -261,3 +282,177 @@ def test_exp_run_with_another_shard_count_derives_the_shard_ids(tmp_path):
     assert yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"] == list(range(8))
     shards = sorted(p.name for p in (repo / "data/curated/train").iterdir())
     assert shards == [f"shard-{k}.parquet" for k in range(8)]
+
+
+# Torch's most generic CPU kernels and MKL's processor-independent code path: a run under them
+# rounds floats as a processor without AVX2/AVX-512 would (see .ci/run).
+GENERIC_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+}
+# Stages whose outputs are bit-exact on any machine (no float arithmetic decides them, or, for
+# generate, greedy decoding with a given engine identity); the float stages after them are
+# deterministic per machine only.
+BIT_EXACT_STAGES = ("curate", "generate@0", "generate@1", "generate@2", "generate@3",
+                    "generate_eval", "validate")  # fmt: skip
+# How far the trained tau may move between machines (README, "Reproducibility"). Measured: 3.539
+# (AVX-512) vs 3.499 (AVX2) on the embedded default.
+TAU_BOUND = 0.25
+
+
+def out_hashes(repo: Path, stage: str) -> dict[str, str]:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    return {o["path"]: o["md5"] for o in lock.get("outs") or []}
+
+
+def test_another_processor_gives_the_same_data_and_tau_within_the_bound(finished, tmp_path):
+    """The same pipeline under generic float kernels: data stages are bit-exact, tau moves by at
+    most TAU_BOUND."""
+    repo, _ = finished
+    other = copy_project(tmp_path / "generic")
+    env = {**ENV, **GENERIC_KERNELS}
+    done = subprocess.run(
+        [str(BIN / "dvc"), "repro"], cwd=other, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for stage in BIT_EXACT_STAGES:
+        assert out_hashes(other, stage) == out_hashes(repo, stage), stage
+    tau = json.loads((repo / "metrics/evaluate.json").read_text())["tau"]
+    generic = json.loads((other / "metrics/evaluate.json").read_text())["tau"]
+    assert abs(generic - tau) <= TAU_BOUND, (tau, generic)
+
+
+# The Qwen3.6 twin (models/tiny-qwen36): the production target's layout in miniature, end to end.
+ALL_STAGES = {
+    "curate", "generate@0", "generate@1", "generate@2", "generate@3", "generate_eval",
+    "validate", "extract", "train", "evaluate",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    repo = copy_project(tmp_path_factory.mktemp("twin"))
+    run(["draftline", "compose", "model=tiny_qwen36"], repo)
+    done = run(["dvc", "repro"], repo)
+    return repo, done.stdout
+
+
+def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
+    repo, out = twin
+    assert set(ran_stages(out)) == ALL_STAGES
+    assert json.loads((repo / "metrics/validate.json").read_text())["passed"] is True
+    ev = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
+    config = json.loads((repo / "models/drafter/config.json").read_text())
+    mask = yaml.safe_load((repo / "conf/model/tiny_qwen36.yaml").read_text())["mask_token_id"]
+    assert config["dflash_config"]["mask_token_id"] == mask
+    shown = run(["dvc", "exp", "show", "--json"], repo).stdout
+    assert "tau_ratio" in shown
+
+
+def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
+    """The twin's generated shards with every answer replaced by `OK.<|im_end|>` (the seed's
+    pathology), the columns recomputed by the library as `generate` computes them."""
+    from transformers import AutoTokenizer
+
+    from draftline.loss_mask import completion_stats, prompt_opens_think, special_ids
+    from draftline.quality import completion_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(repo / "models/tiny-qwen36")
+    special = special_ids(tokenizer, "<|im_end|>")
+    ok = tokenizer("OK.", add_special_tokens=False)["input_ids"] + [special.end_of_turn]
+    frames = []
+    for shard in sorted((repo / "data/generated/train").glob("shard-*.parquet")):
+        frame = pd.read_parquet(shard)
+        stats = [
+            completion_stats(ok, special, think_open=prompt_opens_think(p, special))
+            for p in frame["prompt_ids"]
+        ]
+        frame["completion_ids"] = [ok] * len(frame)
+        frame["num_completion_tokens"] = len(ok)
+        frame["finish_reason"] = "stop"
+        frame["has_think_block"] = [s.has_think_block for s in stats]
+        frame["think_tokens"] = [s.think_tokens for s in stats]
+        frame["answer_tokens"] = [s.answer_tokens for s in stats]
+        frame["loss_mask_sum"] = [s.loss_mask_sum for s in stats]
+        frame["completion_hash"] = completion_hash(ok)
+        frame["completion_text"] = "OK.<|im_end|>"
+        frames.append((shard, frame))
+    return frames
+
+
+def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin, tmp_path):
+    from draftline.guard import Guard, GuardAbort
+    from draftline.quality import COLUMNS
+
+    repo, _ = twin
+    bad = copy_project(tmp_path / "bad")
+    shutil.copytree(repo / "data/curated", bad / "data/curated")
+    shutil.copytree(repo / "metrics", bad / "metrics")
+    (bad / "data/generated/train").mkdir(parents=True)
+    frames = ok_answers(repo)
+    for shard, frame in frames:
+        frame.to_parquet(bad / "data/generated/train" / shard.name)
+    run(["draftline", "compose", "model=tiny_qwen36"], bad)
+    done = run(["draftline", "validate", "--no-progress"], bad, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "supervised_tokens_min" in done.stderr and "think_block_share" in done.stderr
+    assert json.loads((bad / "metrics/validate.json").read_text())["passed"] is False
+
+    params = yaml.safe_load((bad / "params.yaml").read_text())
+    guard = Guard(params["quality"], thinking=True, max_new_tokens=128, think_in_prompt=True)
+    with pytest.raises(GuardAbort, match="without closing the <think> block the prompt opened"):
+        for record in frames[0][1].to_dict("records"):
+            guard.observe({k: record[k] for k in (*COLUMNS, "think_tokens")})
+
+
+def test_the_twin_trains_with_online_features(twin, tmp_path):
+    """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training."""
+    repo, _ = twin
+    run(["draftline", "compose", "model=tiny_qwen36", "extract.features=online"], repo)
+    try:
+        done = run(["dvc", "repro", "evaluate"], repo)
+        assert {"extract", "train", "evaluate"} <= set(ran_stages(done.stdout))
+        ev = json.loads((repo / "metrics/evaluate.json").read_text())
+        assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
+    finally:
+        run(["draftline", "compose", "model=tiny_qwen36"], repo)
+
+
+def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
+    """An undeclared file is neither pushed by DVC nor committed by salvage: dvclive's summary
+    `metrics.json` left every fresh run NOT SAFE. Train's own dvclive call, in a scratch dir."""
+    from draftline.stages import train as train_stage
+    from draftline.training import Metrics
+
+    parser = argparse.ArgumentParser()
+    train_stage.add_arguments(parser)
+    live = parser.parse_args([]).live  # where `draftline train` (the stage's cmd) writes
+    Metrics(tmp_path / live, [{"loss": 1.0, "acc_pos/1": 0.5}], enabled=True).close()
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert f"{live}/metrics.json" in written
+
+    stage = yaml.safe_load((repo_root / "dvc.yaml").read_text())["stages"]["train"]
+    declared = [
+        next(iter(out)) if isinstance(out, dict) else out
+        for kind in ("outs", "metrics", "plots")
+        for out in stage.get(kind) or []
+    ]
+    for path in written:
+        assert any(path == out or path.startswith(out + "/") for out in declared), path
+
+
+def test_salvage_after_a_fresh_repro_is_safe(finished, tmp_path):
+    """Every file a fresh `dvc repro` writes is an output: DVC pushes it or salvage commits it
+    (dvclive's summary `dvclive/train/metrics.json` once was neither: NOT SAFE forever)."""
+    repo, _ = finished
+    origin = tmp_path / "origin.git"
+    run(["git", "init", "-q", "--bare", str(origin)], tmp_path)
+    run(["git", "remote", "add", "origin", str(origin)], repo)
+    remote_dir = str(tmp_path / "dvc-remote")
+    run(["dvc", "remote", "modify", "--local", "local", "url", remote_dir], repo)
+    done = run(["draftline", "salvage", "--remote", "local"], repo, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "VERDICT: SAFE" in done.stdout
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""

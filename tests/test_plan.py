@@ -16,6 +16,9 @@ from draftline import cli, hardware, params, planning
 from draftline.commands import plan as plan_cmd
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
+# What the stages record of the run they measured (params.identity).
+SEED_RUN = {"model": "Qwen/Qwen3.6-27B@main", "data": "sharegpt", "drafter": "dflash_b16"}
+TINY_RUN = {"model": "models/tiny-target", "data": "sample", "drafter": "dflash_tiny"}
 SEED_SIZES = {"samples": 914_000, "completion_tokens": 2_500, "prompt_tokens": 500}
 KINDS = {"input", "measured", "estimate", "derived", "unknown"}
 REPO_CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -50,10 +53,14 @@ def write_json(path: Path, data: Any) -> None:
 def run_metrics(tmp_path: Path) -> Path:
     """Metrics of a small run of the production target on b200x8, as the stages write them."""
     root = tmp_path / "metrics"
-    ref = "Qwen/Qwen3.6-27B@main"
-    write_json(root / "curate.json", {"rows_kept": 1000, "train_rows": 990, "eval_rows": 10})
-    write_json(root / "validate.json", {"completion_tokens_mean": 800, "prompt_tokens_mean": 200})
-    shard = {"hardware_profile": "b200x8", "model": ref, "samples": 500, "output_tokens": 400_000}
+    write_json(
+        root / "curate.json", {**SEED_RUN, "rows_kept": 1000, "train_rows": 990, "eval_rows": 10}
+    )
+    write_json(
+        root / "validate.json",
+        {**SEED_RUN, "completion_tokens_mean": 800, "prompt_tokens_mean": 200},
+    )
+    shard = {"hardware_profile": "b200x8", **SEED_RUN, "samples": 500, "output_tokens": 400_000}
     write_json(root / "generate" / "shard-00000.json", {**shard, "wall_s": 100.0})
     write_json(root / "generate" / "shard-00001.json", {**shard, "wall_s": 300.0})
     # Another target's shard must not count: it would dominate the rate if it did.
@@ -61,20 +68,13 @@ def run_metrics(tmp_path: Path) -> Path:
         root / "generate" / "shard-00002.json",
         {**shard, "model": "Qwen/Qwen3-8B@main", "output_tokens": 10**9, "wall_s": 1.0},
     )
-    common = {"hardware_profile": "b200x8", "model": ref}
+    common = {"hardware_profile": "b200x8", **SEED_RUN}
     write_json(
         root / "extract.json",
         {**common, "tokens_per_s": 5000.0, "bytes_per_token": 51200, "features": "offline"},
     )
     write_json(root / "train.json", {**common, "tokens_per_s": 4000.0, "features": "offline"})
-    # The run's params.yaml, next to its metrics: tags files that do not name their target.
-    run_params = params.compose([*SEED, "hardware=b200x8"], REPO_CONF)
-    (tmp_path / "params.yaml").write_text(params.to_yaml(run_params), encoding="utf-8")
     return root
-
-
-def run_params_file(metrics_dir: Path) -> str:
-    return str(metrics_dir.parent / "params.yaml")
 
 
 # The seed's arithmetic (REFERENCE §1, §3).
@@ -273,12 +273,13 @@ def test_no_sample_count_names_the_fix(conf, profiles):
 
 
 def test_measured_metrics_replace_estimates_for_their_profile(run_metrics, seed_params, profiles):
-    metrics, notes = plan_cmd.read_metrics(run_metrics, params.load(run_params_file(run_metrics)))
+    metrics, notes = plan_cmd.read_metrics(run_metrics)
     assert notes == []
     plan = planning.build_plan(seed_params, profiles, metrics)
     assert plan["notes"] == [
-        f"ignored {(run_metrics / 'generate' / 'shard-00002.json').as_posix()}: recorded for "
-        "Qwen/Qwen3-8B@main, not Qwen/Qwen3.6-27B@main"
+        f"ignored {(run_metrics / 'generate' / 'shard-00002.json').as_posix()}: measured on "
+        "model=Qwen/Qwen3-8B@main data=sharegpt drafter=dflash_b16, not "
+        "model=Qwen/Qwen3.6-27B@main data=sharegpt drafter=dflash_b16"
     ]
     inputs = plan["inputs"]
     assert (inputs["samples"]["value"], inputs["samples"]["kind"]) == (1000, "measured")
@@ -311,12 +312,18 @@ def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, pr
     """The tiny CPU run: stages that do not record a profile ran on params' hardware (cpu)."""
     root = tmp_path / "metrics"
     # The documented short names (kept/train/eval) are read too.
-    write_json(root / "curate.json", {"kept": 40, "train": 36, "eval": 4})
+    write_json(root / "curate.json", {**TINY_RUN, "kept": 40, "train": 36, "eval": 4})
     write_json(
         root / "generate" / "shard-00000.json",
-        {"samples": 36, "output_tokens": 3456, "prompt_tokens": 3600, "output_tok_s": 96.0},
+        {
+            **TINY_RUN,
+            "samples": 36,
+            "output_tokens": 3456,
+            "prompt_tokens": 3600,
+            "output_tok_s": 96.0,
+        },
     )
-    write_json(root / "train.json", {"tokens_per_s": 1500.0, "features": "online"})
+    write_json(root / "train.json", {**TINY_RUN, "tokens_per_s": 1500.0, "features": "online"})
     metrics, _ = plan_cmd.read_metrics(root)
     composed = params.compose([], conf)
     plan = planning.build_plan(composed, profiles, metrics)
@@ -445,8 +452,6 @@ def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_m
         str(conf),
         "--metrics-dir",
         str(run_metrics),
-        "--params",
-        run_params_file(run_metrics),
         "--from-metrics",
     )
     planned, measured = out["planned"], out["measured"]
@@ -464,8 +469,6 @@ def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_m
                 str(conf),
                 "--metrics-dir",
                 str(run_metrics),
-                "--params",
-                run_params_file(run_metrics),
                 "--from-metrics",
             ]
         )
@@ -490,23 +493,60 @@ def test_from_metrics_without_a_run_names_the_fix(conf, tmp_path):
         )
 
 
-def test_metrics_of_another_target_are_not_used(capsys, conf, tmp_path):
-    """A tiny CPU run's metrics (no `model` key) tagged from its params.yaml: planning the
-    production target ignores them and says so; planning the tiny target uses them."""
+def tiny_run_metrics(root: Path, identity: dict[str, Any]) -> None:
+    """Metrics of a tiny CPU run, 1 s a stage, with the `identity` they record."""
+    write_json(root / "curate.json", {**identity, "rows_kept": 40, "train_rows": 36})
+    write_json(root / "validate.json", {**identity, "completion_tokens_mean": 90.0})
+    rates = {"hardware_profile": "b200x8", **identity, "tokens_per_s": 1e9}
+    write_json(root / "extract.json", rates)
+    write_json(root / "train.json", rates)
+    write_json(
+        root / "generate" / "shard-0.json",
+        {**rates, "samples": 40, "output_tokens": 3600, "wall_s": 1e-6},
+    )
+
+
+def test_plan_reads_params_yaml_and_never_another_runs_metrics(capsys, conf, tmp_path):
+    """params.yaml recomposed for Qwen3-8B after a tiny run: `draftline plan` plans Qwen3-8B,
+    with or without overrides, and uses none of the tiny run's figures (the regression: a
+    total of 1 s and $0)."""
     root = tmp_path / "metrics"
-    write_json(root / "curate.json", {"rows_kept": 40, "train_rows": 36, "eval_rows": 4})
-    write_json(root / "validate.json", {"completion_tokens_mean": 90.0})
+    tiny_run_metrics(root, {})  # as the stages wrote them before they recorded the run
     run_params = tmp_path / "params.yaml"
-    run_params.write_text(params.to_yaml(params.compose([], conf)), encoding="utf-8")
+    qwen = ["model=qwen3_8b", "data=sharegpt"]
+    run_params.write_text(params.to_yaml(params.compose(qwen, conf), qwen), encoding="utf-8")
     argv = ["--config-dir", str(conf), "--metrics-dir", str(root), "--params", str(run_params)]
-    seed = _main_json(capsys, *SEED, *argv)
-    assert seed["inputs"]["samples"]["value"] == 914_000
-    assert seed["inputs"]["completion_tokens"]["value"] == 2_500
-    assert any("recorded for models/tiny-target" in n for n in seed["notes"])
-    tiny = _main_json(capsys, *argv)
+    for plan in (_main_json(capsys, *argv), _main_json(capsys, *qwen, *argv)):
+        assert (plan["model"]["name"], plan["data"]) == ("qwen3_8b", "sharegpt")
+        assert plan["inputs"]["samples"]["value"] == 914_000
+        b200 = plan["profiles"]["b200x8"]
+        assert all(f["kind"] != "measured" for f in b200["throughput"].values())
+        assert b200["total"]["offline"]["seconds"] > 3600
+        assert len(plan["notes"]) == 5
+        assert plan["notes"][0] == (
+            f"ignored {(root / 'curate.json').as_posix()}: it does not record the model, data "
+            "and drafter it was measured on (an older draftline wrote it); rerun its stage"
+        )
+
+
+def test_measured_figures_need_the_same_model_data_and_drafter(capsys, conf, tmp_path):
+    root = tmp_path / "metrics"
+    tiny_run_metrics(root, TINY_RUN)
+    argv = ["--config-dir", str(conf), "--metrics-dir", str(root)]
+    tiny = _main_json(capsys, *argv, "model=tiny")
     assert tiny["inputs"]["samples"]["value"] == 40
     assert tiny["inputs"]["completion_tokens"]["value"] == 90.0
+    assert tiny["profiles"]["b200x8"]["throughput"]["train_tok_s"]["kind"] == "measured"
     assert tiny["notes"] == []
+    for other in ("model=qwen3_8b", "data=sharegpt", "drafter=dflash_b16"):
+        plan = _main_json(capsys, *argv, other)
+        assert plan["inputs"]["samples"]["kind"] == "estimate", other
+        assert plan["profiles"]["b200x8"]["throughput"]["train_tok_s"]["kind"] == "estimate"
+        assert len(plan["notes"]) == 5
+        assert (
+            "measured on model=models/tiny-target data=sample drafter=dflash_tiny, not"
+            in (plan["notes"][0])
+        )
 
 
 def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, profiles):
@@ -523,14 +563,14 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
     curated = CurateResult(
         rows_read=12, shard_rows=[6, 5], eval_rows=1, prompt_tokens=np.full(12, 300, np.int32)
     )
-    atomic.write_json(root / "curate.json", curated.metrics())
+    atomic.write_json(root / "curate.json", {**curated.metrics(), **SEED_RUN})
     rows = [
         {"num_prompt_tokens": 300, "num_completion_tokens": 1200, "finish_reason": "stop",
          "has_think_block": True, "loss_mask_sum": 1200}
         for _ in range(6)
     ]  # fmt: skip
     shard = shard_metrics(rows, Counter(stop=6), 6, 7200, 3.6)
-    shard.update({"wall_s": 3.6, "model": "Qwen/Qwen3.6-27B@main", "hardware_profile": "b200x8"})
+    shard.update({"wall_s": 3.6, **SEED_RUN, "hardware_profile": "b200x8"})
     atomic.write_json(root / "generate" / "shard-00000.json", shard)
     metrics, notes = plan_cmd.read_metrics(root)
     plan = planning.build_plan(seed_params, profiles, metrics)

@@ -18,15 +18,8 @@ from draftline import remote
 
 
 @pytest.fixture
-def repo(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def repo(tmp_path: Path, repo_root: Path, isolated_home: Path) -> Path:
     """A DVC repository with the project's .dvc/config, no AWS settings from this machine."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     root = tmp_path / "repo"
     root.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)

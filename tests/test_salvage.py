@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -122,6 +123,62 @@ def test_salvage_pushes_stages_shards_run_cache_verifies_and_commits(
     assert again.returncode == 0, again.stdout
 
 
+GH_PAT = "ghp_Rk2Lm9Qx7Wz4Tn8Vb3Jc6Hd1Fs5Gp0Ya7Ue"
+DB_PASS = "Salv4ge-db-pass-0042"
+WEBHOOK_SECRET = "Wh00kS3cretPathValue42"
+WEBHOOK = f"https://hooks.slack.com/services/T0SALVAGE/B0SALVAGE/{WEBHOOK_SECRET}"
+API_KEY = "mk-4471-private-key"
+API_URL = f"https://metrics.example/ingest?project=draftline&api_key={API_KEY}"
+CONFIG_KEY_ID = "AKIACONFIGLOCAL00042"
+CONFIG_SECRET = "cfg-local-secret-Hq7Zt2Nw9"
+LOG_AWS_SECRET = "Tq9vR2mXw7LkP4sZ8nB1cF6hJ3dG5yU0aEiOQe/x"  # in no config: known by shape
+
+
+def test_notes_keep_no_secret_of_any_shape(node: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Secrets whose names say nothing (GH_PAT, DB_PASS, URLs), credentials of
+    .dvc/config.local and an AWS secret key, all echoed into a log, reach no committed file."""
+    env.update(
+        GH_PAT=GH_PAT,
+        DB_PASS=DB_PASS,
+        NOTIFY_URL=WEBHOOK,
+        METRICS_URL=API_URL,
+        CUDA_VISIBLE_DEVICES="0,1",
+    )
+    # The push authenticates with the credentials of .dvc/config.local, not the environment.
+    del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
+    run(["dvc", "remote", "modify", "--local", "s3", "access_key_id", CONFIG_KEY_ID], node, env)
+    run(["dvc", "remote", "modify", "--local", "s3", "secret_access_key", CONFIG_SECRET], node, env)
+    (node / "logs").mkdir()
+    (node / "logs" / "train.log").write_text(
+        f"git clone https://x:{GH_PAT}@github.com/org/repo\n"
+        f"db connect password={DB_PASS}\n"
+        f"notify {WEBHOOK}\n"
+        f"POST {API_URL}\n"
+        f"dvc config: access_key_id={CONFIG_KEY_ID} secret {CONFIG_SECRET}\n"
+        f"boto debug: loaded credentials {LOG_AWS_SECRET} from ~/.aws\n"
+        "step 10 loss=1.25 max_new_tokens=2048\n"
+    )
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    pulled = tmp_path / "check"
+    run(["git", "clone", "-q", str(tmp_path / "origin.git"), str(pulled)], tmp_path, env)
+    folder = next((pulled / "notes" / "salvage").iterdir())
+    committed = {p: p.read_text() for p in folder.rglob("*") if p.is_file()}
+    planted = (GH_PAT, DB_PASS, WEBHOOK_SECRET, API_KEY, CONFIG_KEY_ID, CONFIG_SECRET)
+    for text in (done.stdout, done.stderr, *committed.values()):
+        for secret in (*planted, LOG_AWS_SECRET):
+            assert secret not in text
+    log = committed[folder / "logs" / "logs" / "train.log"]
+    # The environment's secret values go whole; the rest only where a secret is.
+    assert "notify ***\nPOST ***\n" in log and "password=***" in log
+    assert "step 10 loss=1.25 max_new_tokens=2048" in log
+    # The snapshot records an allow-list of variables: the planted ones are not even named.
+    environment = yaml.safe_load(committed[folder / "node.json"])["environment"]
+    assert environment["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert not {"GH_PAT", "DB_PASS", "NOTIFY_URL", "METRICS_URL"} & set(environment)
+
+
 def test_dry_run_prints_the_plan_and_changes_nothing(
     node: Path, env: dict[str, str], server: S3Server, bucket: str
 ) -> None:
@@ -182,6 +239,69 @@ def test_missing_and_corrupted_remote_objects_are_detected(
     deep = salvage(node, env, "--no-push-git", "--deep")
     assert deep.returncode == 1 and "content MD5" in deep.stdout
     assert "downloaded and hashed" in deep.stdout
+
+
+def test_object_lost_from_a_folder_output_is_repaired(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    """`dvc push` takes a folder whose .dir manifest is on the remote for complete, so it never
+    sends a lost entry again: salvage uploads it from the local cache, says so, ends SAFE."""
+    assert salvage(node, env).returncode == 0
+    oid = {path: oid for oid, path in lock_objects(node).items()}["data/prepared/in-2.txt"]
+    server.client().delete_object(Bucket=bucket, Key=remote_key(oid))
+
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout
+    assert (
+        f"SAFE      repaired s3://{bucket}/dvc: uploaded 1 missing objects from the local cache"
+        in done.stdout
+    )
+    assert "data/prepared/in-2.txt (prepare)" in done.stdout
+    assert "VERDICT: SAFE" in done.stdout
+    assert remote_key(oid) in server.keys(bucket)
+
+
+def put_multipart(client: Any, bucket: str, key: str, body: bytes, part_size: int) -> str:
+    """Upload `body` in parts, as large files are: the ETag is then no MD5 of the content."""
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    parts = []
+    for number, start in enumerate(range(0, len(body), part_size), 1):
+        chunk = body[start : start + part_size]
+        etag = client.upload_part(
+            Bucket=bucket, Key=key, PartNumber=number, UploadId=upload, Body=chunk
+        )["ETag"]
+        parts.append({"ETag": etag, "PartNumber": number})
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    return str(client.head_object(Bucket=bucket, Key=key)["ETag"])
+
+
+def test_multipart_object_corrupted_at_same_size_is_not_safe(
+    tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    """A multipart ETag is the MD5 of the parts' MD5s: salvage recomputes it from the local
+    copy, so a same-size corruption is found without --deep (the size alone passed it)."""
+    origin = make_origin(tmp_path, env, bulk_files=1, bulk_kib=6 * 1024)
+    node = clone_node(origin, tmp_path / "node", env, server, bucket)
+    run(["dvc", "repro", "bulk"], node, env)
+    assert salvage(node, env).returncode == 0
+    (path, oid), *_ = ((p, o) for o, p in lock_objects(node).items() if p.endswith(".bin"))
+    body = cache_path(node, oid).read_bytes()
+    client = server.client()
+    part = 5 * 2**20  # S3's smallest part: 6 MiB go up as 5 MiB + 1 MiB
+    assert put_multipart(client, bucket, remote_key(oid), body, part).endswith('-2"')
+
+    intact = salvage(node, env)
+    assert intact.returncode == 0, intact.stdout
+    assert "1 by multipart ETag of the local copy" in intact.stdout
+
+    rotten = body[:-1] + bytes([body[-1] ^ 0xFF])
+    put_multipart(client, bucket, remote_key(oid), rotten, part)
+    done = salvage(node, env)
+    assert done.returncode == 1, done.stdout
+    assert f"corrupted in s3://{bucket}/dvc: {path} (bulk): multipart ETag" in done.stdout
+    assert "VERDICT: NOT SAFE" in done.stdout
 
 
 def test_shard_in_flight_journal_and_uncommitted_files_are_not_safe(

@@ -120,6 +120,29 @@ def test_load_is_spread_over_endpoints_and_a_dead_one_is_avoided(tmp_path):
     assert served_a > 10 and served_b > 10
 
 
+def test_endpoints_dying_mid_shard_leave_every_sample_done_exactly_once(tmp_path):
+    """Two of three endpoints die mid-shard: their requests in flight and every later one go
+    to the survivor, with few retries (a dead endpoint is not picked again at once)."""
+    requests = reqs(200)
+    fast = ("--delay", "0.01")
+    with (
+        StandIn(tmp_path, *fast) as alive,
+        StandIn(tmp_path, *fast, "--die-after", "20") as dies,
+        StandIn(tmp_path, *fast, "--die-after", "30") as dies_later,
+    ):
+        # A refused endpoint stays out for backoff_max_s: here longer than the whole run.
+        eng = engine(alive.url, dies.url, dies_later.url, max_retries=2, backoff_max_s=5.0)
+        out = run(eng, requests)  # `run` fails on a sample reported twice
+        served = {r.rsplit("-", 1)[0] for s in (alive, dies, dies_later) for r in s.rids()}
+        assert dies.proc.wait(5) != 0 and dies_later.proc.wait(5) != 0  # both died
+    assert sorted(out) == sorted(r.id for r in requests) and served == set(out)
+    assert all(
+        out[q.id].finish_reason == "stop" and out[q.id].completion_ids == expected(q)
+        for q in requests
+    )
+    assert eng.retries < 40  # about one per request in flight on a dying endpoint
+
+
 def test_bounded_concurrency(tmp_path):
     requests = reqs(40)
     with StandIn(tmp_path, "--delay", "0.2") as s:

@@ -1,17 +1,21 @@
 """The embedded tiny target: loads with the Auto classes, renders Qwen3's chat format, answers the
-bundled prompts in thinking format, and is exactly what `draftline build-tiny-target` builds."""
+bundled prompts in thinking format, and is what `draftline build-tiny-target` builds (bit for bit
+on the same machine, within a float tolerance on another: `fixture_checks`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from fixture_checks import assert_rebuild_matches, assert_same_files
 
 from draftline import sample_prompts, tiny_target
 from draftline.target import prompt_ids
 
+pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(2)
 
 
@@ -130,11 +134,33 @@ def test_batched_generation_matches_one_by_one(model, tokenizer) -> None:
     assert batched == single
 
 
-def test_rebuild_reproduces_the_committed_fixture(tmp_path: Path, tiny_target_dir: Path) -> None:
-    """Byte-identical files prove the build is deterministic and the fixture is what it makes."""
-    out = tmp_path / "tiny-target"
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rebuild") / "tiny-target"
     tiny_target.build(out, progress=False)
-    names = sorted(p.name for p in tiny_target_dir.iterdir())
-    assert sorted(p.name for p in out.iterdir()) == names
-    for name in names:
-        assert (out / name).read_bytes() == (tiny_target_dir / name).read_bytes(), name
+    return out
+
+
+def test_rebuild_reproduces_the_committed_fixture(rebuilt: Path, tiny_target_dir: Path) -> None:
+    """On any CPU: configs, tokenizer and template byte-identical, weights within tolerance (the
+    float rounding of training differs between processors' kernels)."""
+    assert_rebuild_matches(rebuilt, tiny_target_dir)
+
+
+def test_the_rebuilt_model_answers_in_thinking_format(rebuilt: Path, tiny_conf: dict) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(rebuilt).eval()
+    tokenizer = AutoTokenizer.from_pretrained(rebuilt)
+    prompts = sample_prompts.valid_prompts()
+    rate = tiny_target.thinking_format_rate(model, tokenizer, prompts, tiny_conf["max_new_tokens"])
+    assert rate >= 0.9, f"the rebuilt model answers only {rate:.1%} in thinking format"
+
+
+def test_a_rebuild_on_the_same_machine_is_byte_identical(tmp_path: Path) -> None:
+    """Same software, same processor: every file, weights included, is bit for bit the same
+    (a short build: determinism does not need the full training run)."""
+    config = replace(tiny_target.BuildConfig(), steps=12, num_conversations=600)
+    for name in ("a", "b"):
+        tiny_target.build(tmp_path / name, config, progress=False)
+    assert_same_files(tmp_path / "a", tmp_path / "b")

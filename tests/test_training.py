@@ -10,6 +10,7 @@ import csv
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ import yaml
 from dflash_data import generated_sequences, make_target, model_params, write_packs
 
 from draftline.training import Hyperparameters, RunOptions, train
+
+pytestmark = pytest.mark.float_kernels
 
 torch.set_num_threads(1)
 
@@ -112,6 +115,38 @@ def test_two_processes_give_the_same_loss_curve_as_one(workdir, single_run):
     import json
 
     metrics = json.loads((double / "train.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 8
+
+
+def test_two_nodes_give_the_same_loss_curve_as_one_process(workdir, single_run):
+    """Two torchrun launches, as on two machines (`--nnodes 2 --node-rank 0/1`), one process
+    each, the global batch of the single-process run."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stage = stage_command(workdir, "nodes", processes=1, micro=4)
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                f"--master-port={port}", *stage[1:],
+            ],
+            env={**environment(), "GLOO_SOCKET_IFNAME": "lo"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    for node in nodes:
+        output, _ = node.communicate(timeout=600)
+        assert node.returncode == 0, output
+    one, two = loss_curve(single_run), loss_curve(workdir / "nodes")
+    assert [s for s, _ in one] == [s for s, _ in two] == list(range(len(one)))
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert abs(a - b) < 1e-3 * max(1.0, abs(a))
+    import json
+
+    metrics = json.loads((workdir / "nodes" / "train.json").read_text())
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 8
 
 

@@ -69,6 +69,12 @@ def test_healthy_data_passes_and_writes_every_output(workdir):
     assert 20 <= metrics["completion_tokens_mean"] <= 90
     assert metrics["completion_tokens_p10"] <= metrics["completion_tokens_p50"]
     assert metrics["shards"]["00000"] == {"curated": 100, "generated": 100}
+    # The run it measured, for `draftline plan`.
+    assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
+        "models/tiny-target",
+        "sample",
+        "dflash_tiny",
+    )
 
     # GX results JSON: both suites ran and every expectation succeeded.
     results = json.loads((workdir / "reports" / "validate" / "results.json").read_text())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -32,14 +33,54 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftline", description=__doc__)
+    parser.add_argument(
+        "--verbose", action="store_true", help="full traceback on errors (anywhere on the line)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
+def short_error(err: Exception) -> str | None:
+    """One line naming the fix for a user's mistake (configuration, paths); None for a bug."""
+    from hydra.errors import HydraException
+
+    if isinstance(err, HydraException):
+        return hydra_message(str(err))
+    if not isinstance(err, OSError):
+        return None
+    if "huggingface" in str(err).lower():  # transformers could not load model.path
+        first = str(err).strip().splitlines()[0].rstrip(".")
+        return f"{first}; check model.path: a model folder here, or a hub id this node can download"
+    if not err.filename:
+        return None  # a socket or other OS error, not a path the user gave: keep the traceback
+    if isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        fix = "choose a folder you can write to (--out/--output) or fix its permissions"
+    elif isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError)):
+        fix = "check the path: each folder on it must exist and be a folder"
+    else:
+        fix = "check the path and the disk"
+    return f"{err.filename}: {err.strerror}; {fix}"
+
+
+def hydra_message(text: str) -> str:
+    """Hydra's short error on one line: options listed under a heading joined by commas, and
+    the config search path (Hydra's internals) left out."""
+    parts: list[str] = []
+    for line in text.split("Config search path:")[0].splitlines():
+        if line.startswith("\t") and parts:
+            sep = " " if parts[-1].endswith(":") else ", "
+            parts[-1] += sep + line.strip()
+        elif line.strip():
+            parts.append(line.strip().rstrip("."))
+    return "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
     top = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         top.parse_args(argv)  # prints help or the unknown-command error and exits
@@ -53,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"draftline {name}", description=module.__doc__)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    result = module.run(args)
+    try:
+        result = module.run(args)
+    except Exception as err:
+        message = None if verbose else short_error(err)
+        if message is None:
+            raise
+        print(f"draftline {name}: {message} (--verbose for the traceback)", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

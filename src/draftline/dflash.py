@@ -55,10 +55,26 @@ class DFlashConfig:
         block_size: int,
         mask_token_id: int,
         target_layer_ids: list[int],
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
     ) -> DFlashConfig:
-        """Drafter config from the target's `config.json` dict and the drafter's own choices."""
-        heads = int(target_config["num_attention_heads"])
+        """Drafter config from the target's (text) `config.json` dict and the drafter's choices.
+
+        The attention and MLP shape default to the target's; a target whose public drafters use
+        another shape (Qwen3.6-27B: 32/8/128, not its gated attention's 24/4/256) names it.
+        """
         hidden = int(target_config["hidden_size"])
+        heads = int(num_attention_heads or target_config["num_attention_heads"])
+        if num_attention_heads is None:
+            kv_heads = int(num_key_value_heads or target_config.get("num_key_value_heads", heads))
+            dim = int(head_dim or target_config.get("head_dim") or hidden // heads)
+        else:  # a chosen head count: nothing of the target's attention carries over
+            kv_heads = int(num_key_value_heads or heads)
+            dim = int(head_dim or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(f"drafter heads {heads} are not a multiple of kv heads {kv_heads}")
         num_target_layers = int(target_config["num_hidden_layers"])
         bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
         if bad:
@@ -70,9 +86,9 @@ class DFlashConfig:
             hidden_size=hidden,
             num_hidden_layers=num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(target_config.get("num_key_value_heads", heads)),
-            head_dim=int(target_config.get("head_dim") or hidden // heads),
-            intermediate_size=int(target_config["intermediate_size"]),
+            num_key_value_heads=kv_heads,
+            head_dim=dim,
+            intermediate_size=int(intermediate_size or target_config["intermediate_size"]),
             vocab_size=int(target_config["vocab_size"]),
             block_size=block_size,
             mask_token_id=mask_token_id,

@@ -1,16 +1,23 @@
 """torch.distributed in a few helpers that also work without torchrun (one process).
 
-Under torchrun (WORLD_SIZE > 1) `init` joins the group: NCCL when CUDA is available, else gloo
-(CPU). Outside torchrun every helper is a no-op over a world of one.
+Under torchrun or `run_in_local_processes` (WORLD_SIZE > 1) `init` joins the group: NCCL when
+CUDA is available, else gloo (CPU). Outside them every helper is a no-op over a world of one.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
 
 
 def launched_by_torchrun() -> bool:
@@ -79,24 +86,67 @@ def all_max(value: float) -> float:
     return _reduce([value], dist.ReduceOp.MAX)[0]
 
 
-def relaunch_command(nproc: int, module_args: Sequence[str]) -> list[str]:
-    """The torchrun command that runs `python -m <module_args>` in `nproc` local processes."""
-    import sys
+def local_worker_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The torchrun variables of local worker `rank`, joined to a store on 127.0.0.1:`port`."""
+    return {
+        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        # Rank 0 joins the launcher's store instead of opening one on every interface.
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+    }  # fmt: skip
 
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", *module_args,
-    ]  # fmt: skip
 
+def run_in_local_processes(nproc: int, module_args: Sequence[str]) -> int | None:
+    """When `nproc` > 1 and this is not yet a worker, rerun `python -m <module_args>` as
+    `nproc` workers of one node; the first to fail stops the others. Returns their exit code,
+    or None when the caller should do the work itself (one process wanted, or already a
+    worker, e.g. of a torchrun the user started on several nodes).
 
-def run_under_torchrun(nproc: int, module_args: Sequence[str]) -> int | None:
-    """When `nproc` > 1 and we are not yet under torchrun, rerun this command under it.
-
-    Returns torchrun's exit code, or None when the caller should do the work itself (one
-    process wanted, or already launched by torchrun, e.g. on several nodes by the user).
+    Not torchrun: its rendezvous store listens on every interface, even with --standalone or a
+    loopback endpoint. Here the store listens on a socket bound to 127.0.0.1, and gloo and
+    NCCL connect over loopback unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise.
     """
-    import subprocess
-
     if nproc <= 1 or launched_by_torchrun():
         return None
-    return subprocess.call(relaunch_command(nproc, module_args))
+    listener = socket.socket()
+    listener.bind((LOOPBACK, 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    # The store takes the bound socket over (and closes it when it goes).
+    store = dist.TCPStore(
+        LOOPBACK, port, is_master=True, master_listen_fd=listener.detach(), wait_for_workers=False
+    )
+    # Defaults the environment may override; one thread each, as torchrun sets.
+    defaults = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", *module_args],
+            env={**defaults, **os.environ, **local_worker_env(rank, nproc, port)},
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        return _wait_all(workers)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+                worker.wait()
+        del store
+
+
+def _wait_all(workers: list[subprocess.Popen]) -> int:
+    """0 once every worker succeeded, else the exit status of the first to fail."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        while True:
+            codes = [w.poll() for w in workers]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by a signal
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -25,7 +25,7 @@ from draftline import atomic, target
 from draftline.engines.base import Engine, Request, Result, Sampling
 from draftline.guard import Guard
 from draftline.journal import Journal
-from draftline.loss_mask import SpecialIds, completion_stats
+from draftline.loss_mask import SpecialIds, completion_stats, prompt_opens_think
 from draftline.quality import completion_hash
 
 SCHEMA = pa.schema(
@@ -101,7 +101,7 @@ def build_row(
     labels: dict[str, str],
 ) -> dict[str, Any]:
     ids = [int(t) for t in result.completion_ids]
-    stats = completion_stats(ids, special)
+    stats = completion_stats(ids, special, think_open=prompt_opens_think(prompt, special))
     return {
         "id": sample_id,
         "prompt_ids": prompt,

@@ -32,10 +32,15 @@ class Guard:
         thinking: bool,
         max_new_tokens: int,
         check_every: int | None = None,
+        think_in_prompt: bool = False,
     ) -> None:
+        """think_in_prompt: the chat template opens `<think>` in the generation prompt
+        (Qwen3.5/3.6), so a reply starts inside the think block (`loss_mask.prompt_opens_think`).
+        """
         guard = quality.get("guard") or {}
         self.quality = quality
         self.thinking = thinking
+        self.think_in_prompt = think_in_prompt
         self.max_new_tokens = max_new_tokens
         self.min_samples = int(guard.get("min_samples", 64))
         self.window: deque[dict[str, Any]] = deque(maxlen=int(guard.get("window", 256)))
@@ -85,15 +90,21 @@ class Guard:
                 + ": max_new_tokens is too small for this model (raise generate.max_new_tokens"
                 " / model.max_new_tokens), or the model loops because the chat template is wrong"
             )
+        empty = names & {"supervised_tokens_min", "supervised_tokens_mode_share", "answer_share"}
+        if self.thinking and self.think_in_prompt and "think_block_share" in names and empty:
+            return (
+                "responses are (near-)empty and end the turn without closing the <think> block "
+                "the prompt opened, like `OK.<|im_end|>`: the model does not think in this "
+                "template (the chat template or its kwargs are not the target's own, or the "
+                "prompt was rendered without the generation prompt)"
+            )
         if self.thinking and "think_block_share" in names:
             return (
                 "thinking is on but responses carry no <think>...</think> block: thinking is "
                 "disabled somewhere (model.chat_template_kwargs.enable_thinking does not reach "
                 "the template) or the chat template is not the model's own (wrong template)"
             )
-        if names & {"supervised_tokens_min", "supervised_tokens_mode_share", "answer_share"} or any(
-            n.startswith("completion_tokens_q") for n in names
-        ):
+        if empty or any(n.startswith("completion_tokens_q") for n in names):
             return (
                 "responses are (near-)empty, like `OK.<|im_end|>`: the chat template is wrong "
                 "(not the target's own, or the prompt is rendered without the generation "

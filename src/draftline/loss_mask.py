@@ -5,9 +5,14 @@ the whole completion span, the end-of-turn token included (the drafter must lear
 A completion is cut after its first end-of-turn token; anything an engine returns past it
 (padding, a second turn) is not part of the sample.
 
-Thinking format (Qwen3): `<think> ... </think> answer <|im_end|>`. `think_tokens` counts the
-tokens strictly between the two tags, `answer_tokens` the tokens after `</think>` up to
-(excluding) the end-of-turn token. A completion without a think block is all answer.
+Thinking format: `<think> ... </think> answer <|im_end|>`. Where the think block opens depends on
+the chat template: Qwen3's model writes `<think>` itself (it is in the completion), Qwen3.5/3.6's
+template puts `<think>\n` at the end of the generation prompt, so the completion starts inside the
+block (`reasoning </think> answer <|im_end|>`). `prompt_opens_think` tells the two apart from the
+prompt ids. `think_tokens` counts the tokens strictly between the two tags, `answer_tokens` the
+tokens after `</think>` up to (excluding) the end-of-turn token. A completion outside any think
+block is all answer. The loss mask is the completion span in both styles: the `<think>` that the
+prompt holds is never drafted, so it is never supervised.
 """
 
 from __future__ import annotations
@@ -73,11 +78,26 @@ def loss_mask_sum(completion_ids: Sequence[int]) -> int:
     return len(completion_ids)
 
 
-def completion_stats(completion_ids: Sequence[int], ids: SpecialIds) -> CompletionStats:
-    """Think/answer token counts and the loss-mask sum of one completion."""
+def prompt_opens_think(prompt_ids: Sequence[int], ids: SpecialIds) -> bool:
+    """Whether the prompt ends inside a think block: its last `<think>` is not closed."""
+    if ids.think_start is None:
+        return False
+    tokens = list(prompt_ids)
+    opened = _rindex(tokens, ids.think_start)
+    return opened is not None and ids.think_end not in tokens[opened + 1 :]
+
+
+def completion_stats(
+    completion_ids: Sequence[int], ids: SpecialIds, think_open: bool = False
+) -> CompletionStats:
+    """Think/answer token counts and the loss-mask sum of one completion.
+
+    think_open: the prompt opened the think block (`prompt_opens_think`), so the completion
+    starts inside it.
+    """
     tokens = list(completion_ids)
     body = tokens[:-1] if tokens and tokens[-1] == ids.end_of_turn else tokens
-    start = _index(body, ids.think_start)
+    start = -1 if think_open else _index(body, ids.think_start)
     end = _index(body, ids.think_end, after=start) if start is not None else None
     if start is not None and end is not None:
         think, answer = end - start - 1, len(body) - end - 1
@@ -102,3 +122,10 @@ def _index(tokens: list[int], token: int | None, after: int | None = None) -> in
         return tokens.index(token, begin)
     except ValueError:
         return None
+
+
+def _rindex(tokens: list[int], token: int) -> int | None:
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == token:
+            return i
+    return None

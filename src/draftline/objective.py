@@ -177,10 +177,23 @@ class LossParts:
     counted: torch.Tensor  # [B] supervised outputs per block position
 
 
+def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the lm_head matmul runs in: autocast's when it is on, else the input's.
+
+    Under autocast the drafter's final RMSNorm returns fp32; casting the head to that would
+    copy a vocab-sized matrix (4.7 GiB at vocab 248320 x hidden 5120) per chunk.
+    """
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
 def _chunk_loss(
     hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, lm_head.to(hidden.dtype)).float()
+    # Only this chunk's logits are promoted to fp32, for an accurate softmax.
+    logits = F.linear(hidden.to(lm_head.dtype), lm_head).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     hits = (logits.argmax(-1) == labels).float()
     return (ce * weights).sum(), hits
@@ -196,8 +209,10 @@ def block_loss(
     """Weighted CE over drafter outputs hidden [b, N, B, H] with labels/weights [b, N, B].
 
     The lm_head and CE run chunk by chunk under activation checkpointing, so vocab-sized
-    logits exist for one chunk at a time, in the forward and in the backward.
+    logits exist for one chunk at a time, in the forward and in the backward. The head is
+    cast to the matmul dtype once (a no-op for a bf16 head under bf16 autocast).
     """
+    lm_head_weight = lm_head_weight.to(matmul_dtype(hidden))
     block = labels.shape[-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)

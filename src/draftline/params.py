@@ -6,12 +6,16 @@ OmegaConf YAML), so both paths give the same file.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 CONFIG_NAME = "config"
+# First line of a params.yaml composed with overrides: `compose --check` and `doctor` recompose
+# with them. A YAML comment, so no stage (and no DVC param) ever sees it.
+HEADER = "# draftline compose"
 
 
 def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf") -> dict[str, Any]:
@@ -33,10 +37,52 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf")
     return data
 
 
-def to_yaml(data: dict[str, Any]) -> str:
+def identity(p: dict[str, Any]) -> dict[str, Any]:
+    """What a run computed on: stages record it in their metrics, and `draftline plan` uses
+    measured figures only for the same target (path@revision), data and drafter."""
+    from draftline.target import model_ref
+
+    return {
+        "model": model_ref(p["model"]),
+        "data": (p.get("data") or {}).get("name"),
+        "drafter": (p.get("drafter") or {}).get("name"),
+    }
+
+
+def to_yaml(data: dict[str, Any], overrides: list[str] | None = None) -> str:
+    """YAML of `data`; with overrides, headed by the command that composed it."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.create(data))
+    text = OmegaConf.to_yaml(OmegaConf.create(data))
+    return f"{HEADER} {shlex.join(overrides)}\n{text}" if overrides else text
+
+
+def recorded_overrides(path: str | Path = "params.yaml") -> list[str]:
+    """The overrides `draftline compose` wrote `path` with ([] when none or no file)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    with p.open(encoding="utf-8") as f:
+        first = f.readline().rstrip("\n")
+    if first == HEADER or first.startswith(HEADER + " "):
+        return shlex.split(first[len(HEADER) :])
+    return []
+
+
+def is_current(
+    path: str | Path = "params.yaml",
+    config_dir: str | Path = "conf",
+    overrides: list[str] | None = None,
+) -> tuple[bool, list[str], dict[str, Any]]:
+    """Whether `path` equals conf/ composed with `overrides` (default: those it records).
+
+    Returns (current, the overrides used, the composition).
+    """
+    used = recorded_overrides(path) if overrides is None else list(overrides)
+    composed = compose(used, config_dir)
+    p = Path(path)
+    current = yaml.safe_load(p.read_text(encoding="utf-8")) if p.is_file() else None
+    return current == composed, used, composed
 
 
 def load(path: str | Path = "params.yaml") -> dict[str, Any]:

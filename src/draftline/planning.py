@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from draftline.params import identity as run_identity
 from draftline.target import model_ref
 
 SCHEMA = "draftline.plan/1"
@@ -87,12 +88,13 @@ def _path(metrics: dict[str, Any], name: str) -> str:
     return (metrics.get("paths") or {}).get(name, f"metrics/{name}.json")
 
 
-def _usable(metrics: dict[str, Any] | None, model: dict[str, Any]) -> bool:
-    """Metrics recorded for another target say nothing about this one."""
-    if not isinstance(metrics, dict):
-        return False
-    recorded = metrics.get("model")
-    return recorded is None or recorded in (model_ref(model), model.get("name"), model.get("path"))
+IDENTITY = ("model", "data", "drafter")
+
+
+def _usable(metrics: dict[str, Any] | None, wanted: dict[str, Any]) -> bool:
+    """Measured figures apply only to the target, data and drafter they were measured on; a
+    file that does not record them (written by an older draftline) is not used."""
+    return isinstance(metrics, dict) and all(metrics.get(k) == wanted[k] for k in IDENTITY)
 
 
 def resolve_inputs(
@@ -110,12 +112,10 @@ def resolve_inputs(
     model, data, drafter = params["model"], params.get("data") or {}, params["drafter"]
     estimate = data.get("estimate") or {}
     data_name = data.get("name", "?")
-    curate = metrics.get("curate")
-    curate = (
-        curate if _usable(curate, model) and curate.get("data", data_name) == data_name else None
-    )
-    validate = metrics.get("validate") if _usable(metrics.get("validate"), model) else None
-    generated = [m for m in (metrics.get("generate") or {}).values() if _usable(m, model)]
+    wanted = run_identity(params)
+    curate = metrics.get("curate") if _usable(metrics.get("curate"), wanted) else None
+    validate = metrics.get("validate") if _usable(metrics.get("validate"), wanted) else None
+    generated = [m for m in (metrics.get("generate") or {}).values() if _usable(m, wanted)]
     gen_samples = sum(_get(m, "samples") or 0 for m in generated)
     gen_tokens = sum(_get(m, "output_tokens") or 0 for m in generated)
     gen_prompt = sum(_get(m, "prompt_tokens") or 0 for m in generated)
@@ -217,7 +217,7 @@ def resolve_inputs(
         f"prompt + completion ({whole:,.0f}), capped at extract.max_length {max_length:,}",
         kind="derived",
     )
-    extract = metrics.get("extract") if _usable(metrics.get("extract"), model) else None
+    extract = metrics.get("extract") if _usable(metrics.get("extract"), wanted) else None
     measured_bpt = _get(extract, "bytes_per_token")
     if measured_bpt and (extract or {}).get("features", "offline") == "offline":
         bpt = Figure(measured_bpt, f"{_path(metrics, 'extract')} bytes_per_token", kind="measured")
@@ -268,6 +268,7 @@ def profile_throughput(
     are scaled by parameter count, a rough rule that the source says plainly.
     """
     model = params["model"]
+    wanted = run_identity(params)
     run_profile = (params.get("hardware") or {}).get("name")
     run_profile = None if run_profile == "auto" else run_profile
     est = profile.get("throughput") or {}
@@ -304,7 +305,7 @@ def profile_throughput(
     generated = {
         f: m
         for f, m in (metrics.get("generate") or {}).items()
-        if _usable(m, model) and _measured_on(m, run_profile) == name
+        if _usable(m, wanted) and _measured_on(m, run_profile) == name
     }
     rate = generation_rate(list(generated.values()))
     if rate:
@@ -313,7 +314,7 @@ def profile_throughput(
         out["generate"] = Figure(rate, f"{where} (on {name})", kind="measured")
     for stage in ("extract", "train"):
         m = metrics.get(stage)
-        if not _usable(m, model) or _measured_on(m, run_profile) != name:
+        if not _usable(m, wanted) or _measured_on(m, run_profile) != name:
             continue
         tok_s = _get(m, "tokens_per_s")
         if not tok_s:
@@ -498,18 +499,27 @@ def build_plan(
         "profiles": {p["name"]: p for p in planned},
         "flags": flags,
         "recommendations": _recommendations(storage, planned, inputs, time_limit_days),
-        "notes": _other_target_notes(metrics, model),
+        "notes": _other_run_notes(metrics, run_identity(params)),
     }
 
 
-def _other_target_notes(metrics: dict[str, Any], model: dict[str, Any]) -> list[str]:
+def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     named = {_path(metrics, k): metrics.get(k) for k in ("curate", "validate", "extract", "train")}
     named.update(metrics.get("generate") or {})
-    return [
-        f"ignored {name}: recorded for {m.get('model')}, not {model_ref(model)}"
-        for name, m in named.items()
-        if isinstance(m, dict) and not _usable(m, model)
-    ]
+    notes = []
+    for name, m in named.items():
+        if not isinstance(m, dict) or _usable(m, wanted):
+            continue
+        if not any(m.get(k) for k in IDENTITY):
+            notes.append(
+                f"ignored {name}: it does not record the model, data and drafter it was "
+                "measured on (an older draftline wrote it); rerun its stage"
+            )
+            continue
+        recorded = " ".join(f"{k}={m.get(k) or '?'}" for k in IDENTITY)
+        planned = " ".join(f"{k}={wanted[k]}" for k in IDENTITY)
+        notes.append(f"ignored {name}: measured on {recorded}, not {planned}")
+    return notes
 
 
 def _flags(

@@ -93,6 +93,27 @@ def describe_remote(root: str | Path, name: str | None = None) -> RemoteInfo:
     )
 
 
+def config_secrets(root: str | Path) -> list[str]:
+    """Values of the credential options of every DVC remote (`.dvc/config.local`, the user's
+    and the system's config): a log may echo them, the salvage notes must not."""
+    from draftline.node_snapshot import MIN_SECRET_LEN, is_secret_name
+
+    try:
+        remotes = _dvc_config(Path(root)).get("remote", {})
+    except Exception:  # an unreadable config holds nothing DVC could use either
+        return []
+    return sorted(
+        {
+            str(value)
+            for section in remotes.values()
+            for option, value in section.items()
+            if is_secret_name(option) and len(str(value)) >= MIN_SECRET_LEN
+        },
+        key=len,
+        reverse=True,
+    )
+
+
 def credential_source(root: str | Path, info: RemoteInfo) -> str:
     """Where the credentials for `info` come from, in words; `RemoteError` when there are none.
 

@@ -19,12 +19,15 @@ from typing import Any
 from draftline import atomic
 
 RUNS_DIR = Path("logs/runs")
+# What the run computed on (`draftline.params.identity`): kept with the results, so
+# `draftline plan` uses a file's figures only for the same target, data and drafter.
+IDENTITY_KEYS = ("model", "data", "drafter")
 THROUGHPUT_PATH = Path("metrics/throughput.json")
 
 
 def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
-    """The result keys of a full stage record, in the order given."""
-    return {k: record[k] for k in keys if k in record}
+    """The result keys of a full stage record, in the order given, then its identity."""
+    return {k: record[k] for k in (*keys, *IDENTITY_KEYS) if k in record}
 
 
 def add_arguments(parser: argparse.ArgumentParser, stage: str, throughput: bool = False) -> None:

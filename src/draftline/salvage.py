@@ -79,7 +79,7 @@ class Verification:
     remote_url: str
     checked: int = 0
     by_etag: int = 0
-    by_size: int = 0
+    by_parts: int = 0
     by_download: int = 0
     missing: list[Expected] = field(default_factory=list)
     corrupted: list[tuple[Expected, str]] = field(default_factory=list)
@@ -300,8 +300,10 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
     """Check that the remote holds every recorded object with the right content.
 
     Content is checked by the S3 ETag where it is the MD5 of the object (single-part uploads,
-    no SSE-KMS: DVC's oid is the same MD5), else by size, and with `deep` by downloading and
-    hashing. Run-cache entries are compared with the local `.dvc/cache/runs`.
+    no SSE-KMS: DVC's oid is the same MD5); a multipart ETag by computing it from the local
+    copy; else, and always with `deep`, by downloading and hashing. Never by size alone: a
+    same-size corruption has the same size. Run-cache entries are compared with the local
+    `.dvc/cache/runs`.
     """
     from dvc.repo import Repo
 
@@ -328,33 +330,96 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
                     result.corrupted.append((obj, "directory manifest unreadable"))
                     continue
                 todo.extend(entries)
-            problem = _content_problem(obj, info, fs, path, deep, result)
+            problem = _content_problem(obj, info, fs, path, deep, repo.cache.local, result)
             if problem:
                 result.corrupted.append((obj, problem))
         _verify_run_cache(Path(repo.cache.legacy.path) / "runs", fs, rem.path, result)
     return result
 
 
+def repair_remote(root: Path, remote_name: str, missing: Iterable[Expected]) -> list[Expected]:
+    """Upload the missing objects the local cache holds intact; the ones uploaded.
+
+    `dvc push` takes a folder whose `.dir` manifest is on the remote for complete, so an entry
+    lost from it (a cut-short upload, a deleted object) is never pushed again by DVC.
+    """
+    from dvc.repo import Repo
+
+    uploaded = []
+    with Repo(str(root)) as repo:
+        rem = repo.cloud.get_remote(remote_name)
+        local_fs = repo.cache.local.fs
+        for obj in missing:
+            local = Path(repo.cache.local.oid_to_path(obj.oid))
+            # Never replace a lost object with a corrupted one: the copy must hash to its oid.
+            if not local.exists() or _md5_of(local_fs, str(local)) != obj.oid.removesuffix(".dir"):
+                continue
+            rem.fs.put_file(str(local), rem.odb.oid_to_path(obj.oid))
+            uploaded.append(obj)
+    return uploaded
+
+
 def _content_problem(
-    obj: Expected, info: dict[str, Any], fs: Any, path: str, deep: bool, result: Verification
+    obj: Expected,
+    info: dict[str, Any],
+    fs: Any,
+    path: str,
+    deep: bool,
+    local_cache: Any,
+    result: Verification,
 ) -> str:
     """Why the remote copy of `obj` is not its content, or "" when it is."""
     want = obj.oid.removesuffix(".dir")
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    etag_is_md5 = bool(re.fullmatch(r"[0-9a-f]{32}", etag))
     # A local folder remote is cheap to read; elsewhere hash only when nothing else can tell.
-    local = fs.protocol == "local"
-    if deep or local or (not etag_is_md5 and obj.size is None):
-        result.by_download += 1
-        got = _md5_of(fs, path)
-        return "" if got == want else f"content MD5 {got} != {want}"
-    if etag_is_md5:
-        result.by_etag += 1
-        return "" if etag == want else f"ETag (content MD5) {etag} != {want}"
-    # Multipart uploads: the ETag is an MD5 of part MD5s, so only the size can be compared.
-    result.by_size += 1
-    size = int(info.get("size") or 0)
-    return "" if size == obj.size else f"size {size} != {obj.size}"
+    if not deep and fs.protocol != "local":
+        if re.fullmatch(r"[0-9a-f]{32}", etag):
+            result.by_etag += 1
+            return "" if etag == want else f"ETag (content MD5) {etag} != {want}"
+        multipart = re.fullmatch(r"[0-9a-f]{32}-(\d+)", etag)
+        local = Path(local_cache.oid_to_path(obj.oid))
+        if multipart and local.exists():
+            size = int(info.get("size") or 0)
+            ours = _local_multipart_etag(local, want, _part_size(fs, path, int(multipart[1]), size))
+            if ours is not None:  # else the local copy is no good: download instead
+                result.by_parts += 1
+                return "" if ours == etag else f"multipart ETag {etag} != {ours} of the local copy"
+    result.by_download += 1
+    got = _md5_of(fs, path)
+    return "" if got == want else f"content MD5 {got} != {want}"
+
+
+def _part_size(fs: Any, path: str, parts: int, size: int) -> int | None:
+    """The size of every part but the last, from S3 (HEAD of part 1); None when unknown."""
+    if parts == 1:
+        return size
+    try:
+        bucket, key, _ = fs.fs.split_path(path)
+        return int(
+            fs.fs.call_s3("head_object", Bucket=bucket, Key=key, PartNumber=1)["ContentLength"]
+        )
+    except Exception:  # a store without part numbers: the caller downloads instead
+        return None
+
+
+def _local_multipart_etag(local: Path, want: str, part_size: int | None) -> str | None:
+    """The ETag of `local` uploaded in parts of `part_size` (the MD5 of the parts' MD5s, then
+    the number of parts), or None when the part size is unknown or `local` is not `want`."""
+    if not part_size:
+        return None
+    whole, part, filled, digests = hashlib.md5(), hashlib.md5(), 0, b""
+    with local.open("rb") as f:
+        while block := f.read(min(2**20, part_size - filled)):
+            whole.update(block)
+            part.update(block)
+            filled += len(block)
+            if filled == part_size:
+                digests, part, filled = digests + part.digest(), hashlib.md5(), 0
+    if filled:
+        digests += part.digest()
+    if whole.hexdigest() != want:
+        return None
+    return f"{hashlib.md5(digests).hexdigest()}-{len(digests) // 16}"
 
 
 def _verify_run_cache(local_runs: Path, fs: Any, remote_root: str, result: Verification) -> None:
@@ -375,7 +440,10 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
     findings = []
     owners_bad = sorted({o.owner for o in v.missing} | {o.owner for o, _ in v.corrupted})
     owners_ok = sorted(set(v.owners) - set(owners_bad))
-    how = f"{v.by_etag} by ETag=MD5, {v.by_size} by size, {v.by_download} downloaded and hashed"
+    how = (
+        f"{v.by_etag} by ETag=MD5, {v.by_parts} by multipart ETag of the local copy, "
+        f"{v.by_download} downloaded and hashed"
+    )
     if owners_ok:
         findings.append(
             Finding(
@@ -396,9 +464,10 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
         findings.append(
             Finding(
                 False,
-                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid})",
-                "run `draftline salvage` again; if the local cache lacks it too, "
-                f"re-run the stage: `dvc repro {obj.owner}`",
+                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid}), and not "
+                "intact in the local cache either",
+                f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
+                "remote, then run `draftline salvage` again",
             )
         )
     for obj, why in v.corrupted[:20]:
@@ -480,18 +549,24 @@ def journal_progress(root: Path) -> dict[str, int]:
     }
 
 
+def known_secrets(root: Path) -> list[str]:
+    """Every secret value this node knows: the environment's secret-looking values and the
+    credentials in DVC's config (`.dvc/config.local`), longest first."""
+    found = set(node_snapshot.secret_values()) | set(remote.config_secrets(root))
+    return sorted(found, key=len, reverse=True)
+
+
 def write_notes(
-    dest: Path, snap: dict[str, Any], findings: list[Finding], extra: dict[str, Any]
+    dest: Path,
+    snap: dict[str, Any],
+    findings: list[Finding],
+    extra: dict[str, Any],
+    secrets: list[str],
 ) -> None:
-    secrets = node_snapshot.secret_values()
-    atomic.write_json(dest / "node.json", snap)
-    atomic.write_json(
-        dest / "salvage.json",
-        {
-            "findings": [asdict(f) for f in findings],
-            **extra,
-        },
-    )
+    """NOTES.md, node.json and salvage.json, every string scrubbed: they are committed."""
+    atomic.write_json(dest / "node.json", node_snapshot.redact_data(snap, secrets))
+    salvage_json = {"findings": [asdict(f) for f in findings], **extra}
+    atomic.write_json(dest / "salvage.json", node_snapshot.redact_data(salvage_json, secrets))
     lines = [f"# Salvage of {snap['host']} at {snap['time_utc']}", ""]
     lines += [_format(f) for f in findings] + [""]
     lines += [
@@ -700,6 +775,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     notes = root / opts.notes_dir / f"{now:%Y%m%dT%H%M%SZ}-{socket.gethostname()}"
     findings: list[Finding] = []
+    secrets = known_secrets(root)
 
     info: remote.RemoteInfo | None = None
     credentials_ok = False
@@ -723,11 +799,10 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             out(f"  {i}. {step}")
         out("found so far (nothing was changed):")
         for f in findings:
-            out(_format(f))
+            out(node_snapshot.redact_text(_format(f), secrets))
         return 0
 
     snap = _guard(findings, "node snapshot", lambda: node_snapshot.take_snapshot(root)) or {}
-    secrets = node_snapshot.secret_values()
     logs = _guard(findings, "gathering logs", lambda: gather_logs(root, notes, secrets)) or []
     metrics = _guard(findings, "gathering metrics", lambda: gather_metrics(root)) or {}
 
@@ -752,6 +827,8 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             verification = _guard(
                 findings, "verifying the remote", lambda: verify_remote(root, info.name, opts.deep)
             )
+            if verification is not None and verification.missing:
+                verification = _repair(findings, root, info, verification, opts.deep)
             if verification is not None:
                 findings += verification_findings(verification, info.url)
 
@@ -768,7 +845,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     wrote = _guard(
         findings,
         f"writing notes to {notes.relative_to(root)}",
-        lambda: write_notes(notes, snap, findings, extra) or True,
+        lambda: write_notes(notes, snap, findings, extra, secrets) or True,
     )
     if wrote:
         findings.append(Finding(True, f"notes: {notes.relative_to(root)}/NOTES.md"))
@@ -788,6 +865,34 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     out("VERDICT: SAFE to shut this node down.")
     out(f"On the next node: git clone, then `{RESUME_COMMAND}` ({HAZARD}).")
     return 0
+
+
+def _repair(
+    findings: list[Finding],
+    root: Path,
+    info: remote.RemoteInfo,
+    verification: Verification,
+    deep: bool,
+) -> Verification | None:
+    """Upload what the remote lacks and verify again; says what it repaired."""
+    missing = verification.missing
+    uploaded = _guard(
+        findings, "repairing the remote", lambda: repair_remote(root, info.name, missing)
+    )
+    if not uploaded:
+        return verification
+    shown = ", ".join(f"{o.path} ({o.owner})" for o in uploaded[:10])
+    more = f" and {len(uploaded) - 10} more" if len(uploaded) > 10 else ""
+    findings.append(
+        Finding(
+            True,
+            f"repaired {info.url}: uploaded {len(uploaded)} missing objects from the local cache "
+            f"that `dvc push` did not send (it takes a folder whose .dir manifest is there for "
+            f"complete): "
+            f"{shown}{more}",
+        )
+    )
+    return _guard(findings, "verifying the remote", lambda: verify_remote(root, info.name, deep))
 
 
 def _guard(findings: list[Finding], what: str, step: Callable[[], Any]) -> Any:
@@ -835,7 +940,7 @@ def _verification_summary(v: Verification | None) -> dict[str, Any] | None:
         "remote": v.remote_url,
         "checked": v.checked,
         "by_etag": v.by_etag,
-        "by_size": v.by_size,
+        "by_parts": v.by_parts,
         "by_download": v.by_download,
         "missing": [asdict(o) for o in v.missing],
         "corrupted": [{**asdict(o), "why": why} for o, why in v.corrupted],

@@ -94,7 +94,7 @@ class BuildConfig:
 # --- tokenizer ------------------------------------------------------------------------------
 
 
-def _corpus_texts(examples: Sequence[tuple[list[Message], Task]]) -> list[str]:
+def corpus_texts(examples: Sequence[tuple[list[Message], Task]]) -> list[str]:
     # Role headers as the chat template writes them, so "user\n" etc. become single tokens.
     texts = [f"{m['role']}\n{m['content']}" for messages, _ in examples for m in messages]
     texts += [task.reasoning + "\n" + task.answer for _, task in examples]
@@ -276,14 +276,24 @@ def train(
 # --- thinking-format rate -------------------------------------------------------------------
 
 
-def reply_is_thinking_format(completion: list[int], tokenizer: Any) -> bool:
-    """`<think>` non-empty `</think>` non-empty answer `<|im_end|>`, nothing after the end."""
+def reply_is_thinking_format(
+    completion: list[int], tokenizer: Any, think_open: bool = False
+) -> bool:
+    """`<think>` non-empty `</think>` non-empty answer `<|im_end|>`, nothing after the end.
+
+    think_open: the prompt already holds `<think>` (Qwen3.6's template), so the reply starts
+    with the reasoning.
+    """
     think, end_think, im_end = (
         tokenizer.convert_tokens_to_ids(t) for t in (THINK, END_THINK, IM_END)
     )
-    if not completion or completion[0] != think or im_end not in completion:
+    if not think_open:
+        if not completion or completion[0] != think:
+            return False
+        completion = completion[1:]
+    if im_end not in completion:
         return False
-    body = completion[1 : completion.index(im_end)]
+    body = completion[: completion.index(im_end)]
     if end_think not in body or think in body:
         return False
     split = body.index(end_think)
@@ -335,17 +345,23 @@ def thinking_format_rate(
     enable_thinking: bool = True,
 ) -> float:
     """Share of `prompts` answered in thinking format by greedy decoding."""
+    from draftline.loss_mask import prompt_opens_think, special_ids
     from draftline.target import prompt_ids
 
     ids = [prompt_ids(tokenizer, p, {"enable_thinking": enable_thinking}) for p in prompts]
     completions = greedy_completions(model, tokenizer, ids, max_new_tokens)
-    return sum(reply_is_thinking_format(c, tokenizer) for c in completions) / max(1, len(prompts))
+    tags = special_ids(tokenizer, IM_END)
+    good = sum(
+        reply_is_thinking_format(c, tokenizer, prompt_opens_think(p, tags))
+        for p, c in zip(ids, completions, strict=True)
+    )
+    return good / max(1, len(prompts))
 
 
 # --- the whole build ------------------------------------------------------------------------
 
 
-def _drop_library_version(folder: Path) -> None:
+def drop_library_version(folder: Path) -> None:
     """Remove `transformers_version` from the saved configs: the fixture's bytes should depend
     on what was built, not on the transformers release that happened to write them."""
     for name in ("config.json", "generation_config.json"):
@@ -367,7 +383,7 @@ def build(
     wall0, cpu0 = time.perf_counter(), time.process_time()
 
     examples = sample_prompts.training_prompts(config.seed, config.num_conversations)
-    tokenizer = build_tokenizer(_corpus_texts(examples), config.vocab_size)
+    tokenizer = build_tokenizer(corpus_texts(examples), config.vocab_size)
     encoded = encode_examples(tokenizer, examples, config.non_thinking_share, config.seed)
     model = build_model(config, tokenizer)
     losses = train(model, encoded, config, tokenizer.pad_token_id, progress)
@@ -376,7 +392,7 @@ def build(
         tmp.mkdir()
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp)
-        _drop_library_version(tmp)
+        drop_library_version(tmp)
         atomic.write_json(tmp / "build_config.json", asdict(config))
     response_lengths = [len(e.input_ids) - e.num_prompt for e in encoded]
     return {

@@ -58,16 +58,28 @@ class Hyperparameters:
     epochs: int
     grad_clip: float
     seed: int
+    # Attention/MLP shape; None derives it from the target (DFlashConfig.from_target).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
 
     @classmethod
     def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
-        names = cls.__dataclass_fields__
+        names = [n for n in cls.__dataclass_fields__ if n not in SHAPE_FIELDS]
         missing = [n for n in names if n not in drafter]
         if missing:
             raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
-        return cls(**{n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names})
+        values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
+        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
+        return cls(**values, **shape)
+
+    def shape(self) -> dict[str, int]:
+        """The shape fields that are set (the rest derive from the target)."""
+        return {n: getattr(self, n) for n in SHAPE_FIELDS if getattr(self, n) is not None}
 
 
+SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 _DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
 
 
@@ -169,17 +181,33 @@ def target_config(model: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+# Where the target's embedding sits: a causal LM's base model or a VL wrapper's language model.
+# Never `mtp.*` (the MTP head has its own) or `model.visual.*`.
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+HEAD_KEYS = ("lm_head.weight",)
+
+
 def load_target_head(model: dict[str, Any]) -> TargetHead:
-    """The target's embedding and lm_head only, read from its safetensors (tied if no head)."""
+    """The target's embedding and lm_head only, read from its safetensors (tied if no head).
+
+    Only the shards that hold them are opened (`model.safetensors.index.json` names them), and
+    only those two tensors are read.
+    """
     path = Path(str(model["path"]))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({path / weight_map[k] for k in (*EMBED_KEYS, *HEAD_KEYS) if k in weight_map})
     embed = head = None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.endswith("embed_tokens.weight") and "mtp" not in key:
+            keys = set(f.keys())
+            for key in EMBED_KEYS:
+                if key in keys:
                     embed = f.get_tensor(key)
-                elif key.endswith("lm_head.weight") and "mtp" not in key:
+            for key in HEAD_KEYS:
+                if key in keys:
                     head = f.get_tensor(key)
     if embed is None:
         from draftline.target import load_model
@@ -206,6 +234,7 @@ def build_drafter(
         block_size=hp.block_size,
         mask_token_id=mask_token_id(model),
         target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        **hp.shape(),
     )
     torch.manual_seed(hp.seed)
     return DFlashDrafter(config, head if head is not None else load_target_head(model))
@@ -362,8 +391,8 @@ def train(
     if data.online:
         from draftline.target import load_model
 
-        target_lm = load_model(model, device=str(device))
-        target_lm.requires_grad_(False)
+        # In the run's precision, straight onto its device: frozen, never trained.
+        target_lm = load_model(model, device=str(device), dtype=run.precision)
 
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)

@@ -221,11 +221,14 @@ def failure_table(results: Sequence[CheckResult]) -> Any:
     """A rich Table of the failed checks: name, requirement, observed value, bound."""
     from rich.table import Table
 
+    failed = quality.failures(results)
     table = Table(title="validate: failed expectations", show_lines=False)
-    table.add_column("check", style="bold red")
+    # A check's name is what a user greps a log for: never cut short in a narrow terminal or log.
+    names = max((len(r.name) for r in failed), default=5)
+    table.add_column("check", style="bold red", no_wrap=True, min_width=names)
     table.add_column("what is required")
     table.add_column("observed", justify="right")
     table.add_column("bound")
-    for r in quality.failures(results):
+    for r in failed:
         table.add_row(r.name, r.description, quality.format_observed(r.observed), r.bound)
     return table

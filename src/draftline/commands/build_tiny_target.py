@@ -1,53 +1,66 @@
-"""Rebuild the embedded tiny target (tokenizer + Qwen3 model) in models/tiny-target.
+"""Rebuild an embedded target: the tiny Qwen3 default (models/tiny-target) or the tiny Qwen3.6
+twin (`--model tiny_qwen36`, models/tiny-qwen36).
 
-Deterministic: the same software on the same kind of CPU writes byte-identical files. Prints the
-build time and the thinking-format rate on the bundled prompts.
+Deterministic: the same software on the same kind of CPU writes byte-identical files (on another
+CPU the weights differ within float rounding; tests/fixture_checks.py). Prints the build time and
+the thinking-format rate on the bundled prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-TINY_CONF = Path("conf/model/tiny.yaml")
+# Model option -> (builder module, default output folder).
+BUILDERS = {
+    "tiny": ("draftline.tiny_target", "models/tiny-target"),
+    "tiny_qwen36": ("draftline.tiny_qwen36", "models/tiny-qwen36"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="models/tiny-target", help="folder to write")
+    parser.add_argument(
+        "--model", choices=sorted(BUILDERS), default="tiny", help="which embedded target"
+    )
+    parser.add_argument("--out", default=None, help="folder to write (default: the model's)")
     parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=None,
-        help=f"generation budget for the rate check (default: model.max_new_tokens in {TINY_CONF})",
+        help="generation budget for the rate check (default: model.max_new_tokens in "
+        "conf/model/<model>.yaml)",
     )
     parser.add_argument("--no-rate", action="store_true", help="skip the thinking-format check")
 
 
-def _default_max_new_tokens() -> int:
-    if TINY_CONF.exists():
-        return int(yaml.safe_load(TINY_CONF.read_text(encoding="utf-8"))["max_new_tokens"])
-    return 160
+def _profile(model: str) -> dict[str, Any]:
+    path = Path("conf/model") / f"{model}.yaml"
+    return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib
+
     from draftline import sample_prompts, tiny_target
     from draftline.target import load_model
 
-    figures = tiny_target.build(args.out)
+    module, default_out = BUILDERS[args.model]
+    out = args.out or default_out
+    figures = importlib.import_module(module).build(out)
     print(
-        f"wrote {args.out}: {figures['num_parameters']:,} parameters, "
+        f"wrote {out}: {figures['num_parameters']:,} parameters, "
         f"vocab {figures['vocab_size']}, "
         f"loss {figures['first_loss']:.3f} -> {figures['final_loss']:.3f}, "
         f"build {figures['wall_s']:.1f} s wall / {figures['cpu_s']:.1f} s CPU"
     )
     if args.no_rate:
         return 0
-    budget = args.max_new_tokens or _default_max_new_tokens()
-    model_cfg = {"path": args.out}
-    tokenizer = tiny_target.load_tokenizer_uncached(args.out)
-    model = load_model(model_cfg)
+    budget = args.max_new_tokens or int(_profile(args.model).get("max_new_tokens", 160))
+    tokenizer = tiny_target.load_tokenizer_uncached(out)
+    model = load_model({"path": out})
     prompts = sample_prompts.valid_prompts()
     rate = tiny_target.thinking_format_rate(model, tokenizer, prompts, budget)
     print(

@@ -1,19 +1,26 @@
-"""Check this node before running the pipeline: Python, key packages, git/DVC state, params,
-GPUs and the hardware profile `auto` would pick, free disk. Exits 1 when something must be fixed.
+"""Check this node before running the pipeline: Python, key packages, git/DVC state, params
+(stale or not), the model path and data sources params.yaml names, credentials for the DVC
+remote, GPUs and the hardware profile `auto` would pick, free disk. Exits 1 when something must
+be fixed; warnings (yellow) do not stop the pipeline.
+
+The remote: the pipeline itself runs without one, but `draftline salvage` before a node shuts
+down needs it, and a node is the wrong place to find that out. So missing credentials for an s3
+default remote must be fixed; with no remote, or a non-s3 one, doctor only warns or says none
+are needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import yaml
-
-from draftline import hardware, params
+from draftline import hardware, params, remote, target
 
 PACKAGES = [
     "dvc",
@@ -69,7 +76,13 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
             "ok" if Path(".dvc").is_dir() else "no .dvc/: run in the repository root",
         )
     )
-    rows.append(_params_row(config_dir))
+    params_row, run_params = _params_row(config_dir)
+    rows.append(params_row)
+    if run_params and {"model", "data"} <= run_params.keys():
+        rows.append(_model_row(run_params.get("model") or {}))
+        rows.append(_data_row(run_params.get("data") or {}))
+    rows.append(_remote_row(Path(".")))
+    rows.extend(_hybrid_rows(run_params))
     gpus = hardware.detect_gpus()
     chosen = hardware.match_profile(gpus, hardware.load_profiles(config_dir))
     gpu_text = ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) or "none"
@@ -86,20 +99,102 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
     return rows
 
 
-def _params_row(config_dir: str) -> tuple[str, bool, str]:
+def _hybrid_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """A hybrid target (Gated DeltaNet layers) without the fast kernels runs a slow torch
+    fallback: said, not failed (a CPU node has no use for GPU kernels)."""
+    model = (run_params or {}).get("model") or {}
+    if not model.get("hybrid"):
+        return []
+    from draftline.target import hybrid_kernels_missing
+
+    missing = hybrid_kernels_missing()
+    detail = (
+        "fast kernels installed"
+        if not missing
+        else f"{', '.join(missing)} missing: the hybrid layers of {model.get('name')} run on "
+        "the slow torch fallback; on GPU nodes pip install -e '.[hybrid]'"
+    )
+    return [("hybrid layers", True, detail)]
+
+
+def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] | None]:
+    """The params.yaml row, and the params the stages would read (stale or not)."""
+    from hydra.errors import HydraException
+
+    from draftline.cli import hydra_message
+
     path = Path("params.yaml")
     if not path.exists():
-        return ("params.yaml", False, "missing: run `draftline compose`")
-    current = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    expected = params.compose([], config_dir).keys()
-    if current.keys() != expected:
-        return (
-            "params.yaml",
-            False,
-            "groups differ from conf/: run `draftline compose [overrides]`",
+        return ("params.yaml", False, "missing: run `draftline compose [overrides]`"), None
+    try:
+        run_params = params.load(path)
+    except SystemExit as err:
+        return ("params.yaml", False, str(err)), None
+    try:
+        current, used, _ = params.is_current(path, config_dir)
+    except HydraException as err:
+        why = f"its overrides no longer compose: {hydra_message(str(err))}"
+        return ("params.yaml", False, why), run_params
+    command = shlex.join(["draftline", "compose", *used])
+    if not current:
+        why = (
+            f"stale: not conf/ composed by `{command}`; run that (or "
+            "`draftline compose --check` to see the difference)"
         )
-    hw = (current.get("hardware") or {}).get("name")
-    return ("params.yaml", True, f"model={current['model'].get('name')} hardware={hw}")
+        return ("params.yaml", False, why), run_params
+    names = {k: (run_params.get(k) or {}).get("name") for k in ("model", "data", "hardware")}
+    return ("params.yaml", True, " ".join(f"{k}={v}" for k, v in names.items())), run_params
+
+
+def _model_row(model: dict[str, Any]) -> tuple[str, bool, str]:
+    if message := target.missing_model(model):
+        return ("model path", False, message)
+    path = str(model["path"])
+    if target.is_local(path):
+        return ("model path", True, path)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json", revision=model.get("revision"))
+    if isinstance(cached, str):
+        return ("model path", True, f"{target.model_ref(model)} (in the Hugging Face cache)")
+    return (
+        "model path",
+        True,
+        f"warning: {target.model_ref(model)} is not in the Hugging Face cache: it downloads on "
+        f"first use (needs the network; `huggingface-cli download {path}` to fetch it now)",
+    )
+
+
+def _data_row(data: dict[str, Any]) -> tuple[str, bool, str]:
+    """Every data.sources entry must be a file or a folder with files in it."""
+    sources = [Path(str(s)) for s in data.get("sources") or []]
+    missing = [
+        str(s)
+        for s in sources
+        if not (s.is_file() or (s.is_dir() and any(f.is_file() for f in s.rglob("*"))))
+    ]
+    if not sources or missing:
+        return (
+            "data sources",
+            False,
+            f"{', '.join(missing) or 'none'} missing or empty: put the conversations there "
+            "(JSONL, JSON or Parquet, plain or .gz) or `draftline compose "
+            f"data={data.get('name')} 'data.sources=[/path/to/conversations]'`",
+        )
+    return ("data sources", True, ", ".join(map(str, sources)))
+
+
+def _remote_row(root: Path) -> tuple[str, bool, str]:
+    try:
+        info = remote.describe_remote(root)
+    except remote.RemoteError as err:
+        return ("remote credentials", True, f"warning: {err} (needed by `draftline salvage`)")
+    try:
+        source = remote.credential_source(root, info)
+    except remote.RemoteError as err:
+        trial = "\nor, for a trial without S3: dvc remote default --local local"
+        return ("remote credentials", False, f"{err}{trial}")
+    return ("remote credentials", True, f"{info.name} ({info.url}): {source}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
     for col in ("check", "status", "detail"):
         table.add_column(col)
     for what, ok, detail in rows:
-        table.add_row(what, "[green]ok[/]" if ok else "[red]FIX[/]", escape(detail))
+        status = "[red]FIX[/]" if not ok else "[green]ok[/]"
+        if ok and detail.startswith("warning: "):
+            status, detail = "[yellow]warn[/]", detail.removeprefix("warning: ")
+        table.add_row(what, status, escape(detail))
     Console().print(table)
     return 0 if all(ok for _, ok, _ in rows) else 1

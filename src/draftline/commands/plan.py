@@ -1,10 +1,11 @@
 """Time, storage and cost of a run on each hardware profile, before spending them.
 
-Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
+Without overrides it plans params.yaml (what `dvc repro` would run); with overrides, conf/
+composed with them. Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
 `draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500`;
 `draftline plan --from-metrics` after a run puts the plan and the measured figures side by side.
 Measured stage metrics under --metrics-dir, with the run logs under --runs-dir, replace estimates
-where they exist (docs/pipeline.md,
+where they exist and were measured on the same target, data and drafter (docs/pipeline.md,
 "Metrics read by `draftline plan`").
 """
 
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, planning, run_log, target
+from draftline import hardware, params, planning, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
 
@@ -35,14 +36,16 @@ def positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b (default: --params)"
+    )
     parser.add_argument("--config-dir", default="conf")
     parser.add_argument("--metrics-dir", default="metrics", help="stage metrics of a run")
     parser.add_argument(
         "--runs-dir", default=str(run_log.RUNS_DIR), help="stage run logs (timings, hardware)"
     )
     parser.add_argument(
-        "--params", default="params.yaml", help="params of the run that wrote the metrics"
+        "--params", default="params.yaml", help="params to plan when no overrides are given"
     )
     parser.add_argument(
         "--samples", type=positive_int, help="conversations to generate (overrides all)"
@@ -70,24 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_metrics(
-    folder: str | Path,
-    run_params: dict[str, Any] | None = None,
-    runs_dir: str | Path | None = None,
+    folder: str | Path, runs_dir: str | Path | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """Parsed stage metrics under `folder` (missing files are skipped) and notes on bad ones.
 
     A stage's run log under `runs_dir` (logs/runs: timings, throughput, hardware) completes
-    its metrics; generate shards have only a run log.
-
-    Stages record their hardware profile but not always the target or data set; those come
-    from `run_params` (the params.yaml of the run), so figures of another target are not used.
+    its metrics; generate shards have only a run log. Each stage records the model, data and
+    drafter it ran on; planning uses a file only when they match the plan (params.yaml may have
+    been recomposed since the run).
     """
     root = Path(folder)
-    tags: dict[str, Any] = {}
-    if run_params:
-        tags["model"] = target.model_ref(run_params["model"])
-        if (run_params.get("hardware") or {}).get("name") not in (None, "auto"):
-            tags["hardware_profile"] = run_params["hardware"]["name"]
     found: dict[str, Any] = {}
     notes: list[str] = []
 
@@ -100,7 +95,7 @@ def read_metrics(
         if not isinstance(data, dict):
             notes.append(f"ignored {path}: not a JSON object")
             return None
-        return {**tags, **{k: v for k, v in data.items() if v is not None}}
+        return {k: v for k, v in data.items() if v is not None}
 
     folders = [root] if runs_dir is None else [root, Path(runs_dir)]
     for name in METRIC_FILES:
@@ -110,8 +105,6 @@ def read_metrics(
                 data.update(loaded)
                 found.setdefault("paths", {})[name] = path.as_posix()
         if data:
-            if name == "curate" and run_params:
-                data.setdefault("data", (run_params.get("data") or {}).get("name"))
             found[name] = data
     shards = {}
     for base in folders:
@@ -124,16 +117,12 @@ def read_metrics(
 
 
 def run(args: argparse.Namespace) -> int:
-    composed = params.compose(args.overrides, args.config_dir)
+    if args.overrides:
+        composed = params.compose(args.overrides, args.config_dir)
+    else:
+        composed = params.load(args.params)
     profiles = hardware.load_profiles(args.config_dir)
-    run_params, notes = None, []
-    if Path(args.params).is_file():
-        try:
-            run_params = params.load(args.params)
-        except SystemExit as err:
-            notes.append(f"{args.params} not used to tag metrics: {err}")
-    metrics, read_notes = read_metrics(args.metrics_dir, run_params, args.runs_dir)
-    notes += read_notes
+    metrics, notes = read_metrics(args.metrics_dir, args.runs_dir)
     if args.from_metrics and not metrics:
         raise SystemExit(
             f"no stage metrics under {args.metrics_dir}/: run the pipeline first (dvc repro) "

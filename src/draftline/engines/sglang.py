@@ -7,8 +7,10 @@ Response: `{"output_ids": [...], "text": ..., "meta_info": {"finish_reason": {"t
 
 `max_in_flight` requests are kept open at all times (spread over the endpoints, least busy
 first) so the engines' schedulers stay full. Connection errors, timeouts, 429 and 5xx are
-retried with exponential backoff and jitter, on another endpoint when there is one; a sample
-that still fails becomes an `error` result. When no endpoint answers `/health` any more the
+retried with exponential backoff and jitter, on another endpoint when there is one; an endpoint
+that refused a connection is left out of the choice for `backoff_max_s` (a dead node would
+otherwise look least busy and draw every request). A sample that still fails becomes an `error`
+result. When no endpoint answers `/health` any more the
 run stops with `EngineUnavailable` (finished samples are already journaled).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +109,7 @@ class SGLangEngine:
         self.params = sampling_params(sampling, end_of_turn)
         self.end_of_turn = end_of_turn
         self.in_flight = dict.fromkeys(settings.endpoints, 0)
+        self.down_until = dict.fromkeys(settings.endpoints, 0.0)  # monotonic seconds
         self.requests_sent = 0
         self.retries = 0
         self._rng = random.Random()
@@ -152,7 +156,9 @@ class SGLangEngine:
                 await asyncio.gather(*workers, return_exceptions=True)
 
     def _pick(self, avoid: str | None) -> str:
-        choices = [e for e in self.in_flight if e != avoid] or list(self.in_flight)
+        now = time.monotonic()
+        up = [e for e in self.in_flight if self.down_until[e] <= now] or list(self.in_flight)
+        choices = [e for e in up if e != avoid] or up
         return min(choices, key=lambda e: (self.in_flight[e], self._rng.random()))
 
     async def _one(self, session: aiohttp.ClientSession, request: Request) -> Result:
@@ -174,6 +180,8 @@ class SGLangEngine:
                 return await self._post(session, endpoint, request.id, payload)
             except _Retryable as exc:
                 last, failed = exc, endpoint
+                if exc.connection:
+                    self.down_until[endpoint] = time.monotonic() + s.backoff_max_s
             finally:
                 self.in_flight[endpoint] -= 1
             if attempt < s.max_retries:

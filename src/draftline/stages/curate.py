@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     metrics = result.metrics()
     # Cached with the curated tables, so a new node that pulls curate has the shard sizes too.
     write_json(Path(args.out) / SUMMARY_NAME, metrics)
-    record = {**metrics, **describe(resolve_profile(params.get("hardware") or {}))}
+    record = {
+        **metrics,
+        **describe(resolve_profile(params.get("hardware") or {})),
+        **params_mod.identity(params),
+    }
     run_log.write(args, "curate", record, RESULT_KEYS)
 
     print(

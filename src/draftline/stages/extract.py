@@ -1,8 +1,9 @@
 """Stage `extract`: generated shards -> token packs, plus target features when offline.
 
 Refuses to run unless `data/validated/verdict.json` says the data passed validation. With a
-hardware profile of several processes per node it reruns itself under torchrun; under a
-torchrun the user started (several nodes) it takes its rank from the environment.
+hardware profile of several processes per node it reruns itself as that many processes
+(`distributed.run_in_local_processes`, rendezvous on loopback); under a torchrun the user
+started (several nodes) it takes its rank from the environment.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     profile = hardware.resolve_profile(p["hardware"])
     require_passed_verdict(Path(args.verdict))
     if p["extract"]["features"] == "offline":
-        relaunched = distributed.run_under_torchrun(
+        relaunched = distributed.run_in_local_processes(
             int(profile.get("processes_per_node") or 1),
             ["draftline", "extract", *_forwarded(args)],
         )
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and distributed.rank() == 0,
         )
         if distributed.rank() == 0:
-            record = metrics(result, profile)
+            record = {**metrics(result, profile), **params.identity(p)}
             run_log.write(args, "extract", record, RESULT_KEYS, record["tokens_per_s"])
             idx = result.index
             print(

@@ -133,7 +133,14 @@ def run(args: argparse.Namespace) -> int:
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))
     thinking = thinking_enabled(p)
     guard = (
-        Guard(p["quality"], thinking=thinking, max_new_tokens=sampling.max_new_tokens)
+        Guard(
+            p["quality"],
+            thinking=thinking,
+            max_new_tokens=sampling.max_new_tokens,
+            think_in_prompt=target.generation_prompt_opens_think(
+                tokenizer, dict(model.get("chat_template_kwargs") or {}), special
+            ),
+        )
         if gen.get("guard", True) and p.get("quality")
         else None
     )
@@ -146,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         ).hexdigest(),
     )
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
-    extra = dict(hardware.describe(profile))
+    extra = {**hardware.describe(profile), **params.identity(p)}
     try:
         metrics = run_shard(
             paths,

@@ -1,7 +1,8 @@
 """Stage `train`: extracted data -> DFlash drafter (`models/drafter/`), metrics and plots.
 
-With a hardware profile of several processes per node it reruns itself under torchrun (DDP);
-under a torchrun the user started (several nodes) it takes its rank from the environment.
+With a hardware profile of several processes per node it reruns itself as that many DDP
+processes (`distributed.run_in_local_processes`, rendezvous on loopback); under a torchrun the
+user started (several nodes) it takes its rank from the environment.
 A killed run resumes from `.draftline/train/checkpoint.pt` (working state, not a DVC output)
 and ends exactly where an uninterrupted run would have.
 """
@@ -12,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params, run_log
+from draftline import distributed, hardware, params, run_log, target
 from draftline.atomic import write_text
 
 # What was trained and how well; timings, resume state and the batch split go to the run log.
@@ -41,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
+    target.require_model(p["model"])  # before torchrun starts workers that would each fail
     profile = hardware.resolve_profile(p["hardware"])
-    relaunched = distributed.run_under_torchrun(
+    relaunched = distributed.run_in_local_processes(
         int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
     )
     if relaunched is not None:
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(args.data, p["model"], hp, options)
         if distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
-            record = metrics(result, hp, options, profile)
+            record = {**metrics(result, hp, options, profile), **params.identity(p)}
             run_log.write(args, "train", record, RESULT_KEYS, record["tokens_per_s"])
             write_accuracy_per_position(Path(args.plots), result.history)
             last = result.history[-1] if result.history else {}

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     # Every check's observed value and the per-shard counts in the report (one column each in
     # `dvc exp show` would grow with the shard count); the figures that compare runs as metrics.
     atomic.write_json(Path(args.reports) / SUMMARY_NAME, metrics)
-    atomic.write_json(args.metrics, run_log.results(metrics, RESULT_KEYS))
+    record = {**metrics, **params_mod.identity(p)}
+    atomic.write_json(args.metrics, run_log.results(record, RESULT_KEYS))
     write_plots(Path(args.plots), table)
 
     docs = outcome.docs_index

@@ -1,0 +1,90 @@
+"""`draftline doctor` on a node: a stale params.yaml, a missing model path or data source, and
+missing remote credentials are each reported with their fix; warnings do not fail."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from draftline import params
+from draftline.commands import doctor
+
+
+@pytest.fixture
+def node(
+    tmp_path: Path, repo_root: Path, isolated_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A checkout with the project's conf/ and .dvc/config, no AWS or HF state from here."""
+    monkeypatch.setenv("HF_HOME", str(isolated_home / "hf"))
+    root = tmp_path / "repo"
+    shutil.copytree(repo_root / "conf", root / "conf")
+    (root / "models").mkdir()  # as in the checkout: models/x names a local folder
+    (root / ".dvc").mkdir()
+    shutil.copy(repo_root / ".dvc" / "config", root / ".dvc" / "config")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    monkeypatch.chdir(root)
+    return root
+
+
+def compose(*overrides: str) -> None:
+    Path("params.yaml").write_text(params.to_yaml(params.compose(list(overrides)), list(overrides)))
+
+
+def rows() -> dict[str, tuple[bool, str]]:
+    return {what: (ok, detail) for what, ok, detail in doctor.checks("conf")}
+
+
+def test_a_new_user_gets_each_problem_with_its_fix(node: Path):
+    compose("model.path=models/my-target")  # neither the model nor data/sample is here
+    found = rows()
+    assert found["params.yaml"] == (True, "model=tiny data=sample hardware=cpu")
+    assert found["model path"][0] is False
+    assert found["model path"][1].startswith("model.path models/my-target does not exist")
+    assert "draftline compose model=tiny model.path=" in found["model path"][1]
+    assert found["data sources"] == (
+        False,
+        "data/sample missing or empty: put the conversations there (JSONL, JSON or Parquet, "
+        "plain or .gz) or `draftline compose data=sample 'data.sources=[/path/to/conversations]'`",
+    )
+    ok, detail = found["remote credentials"]
+    assert ok is False and "no AWS credentials found for remote 's3'" in detail
+    assert "AWS_PROFILE" in detail and "dvc remote default --local local" in detail
+    # A hand edit: stale, and the fix is the command the file records.
+    text = Path("params.yaml").read_text().replace("max_reject_rate: 0.25", "max_reject_rate: 1")
+    Path("params.yaml").write_text(text)
+    ok, detail = rows()["params.yaml"]
+    assert ok is False
+    assert detail.startswith("stale: not conf/ composed by `draftline compose model.path=models/")
+
+
+def test_a_ready_node_passes_with_a_warning_for_an_uncached_hub_model(
+    node: Path, monkeypatch: pytest.MonkeyPatch
+):
+    compose("model=qwen3_8b", "data=sharegpt")
+    (node / "data" / "sharegpt").mkdir(parents=True)
+    (node / "data" / "sharegpt" / "part-0.jsonl").write_text("{}\n")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    found = rows()
+    assert found["params.yaml"] == (True, "model=qwen3_8b data=sharegpt hardware=cpu")
+    ok, detail = found["model path"]
+    assert ok is True and detail.startswith("warning: Qwen/Qwen3-8B@main is not in the Hugging")
+    assert found["data sources"] == (True, "data/sharegpt")
+    assert found["remote credentials"] == (
+        True,
+        "s3 (s3://train-dflash-qwen36-27b/dvc): environment (AWS_ACCESS_KEY_ID)",
+    )
+
+
+def test_without_an_s3_remote_credentials_are_not_required(node: Path):
+    compose()
+    subprocess.run(["dvc", "remote", "default", "--local", "local"], check=True)
+    ok, detail = rows()["remote credentials"]
+    assert ok is True and detail.startswith("local (") and detail.endswith("): none needed")
+    (node / ".dvc" / "config").write_text("")
+    (node / ".dvc" / "config.local").write_text("")
+    ok, detail = rows()["remote credentials"]
+    assert ok is True and detail.startswith("warning: no DVC remote chosen")
