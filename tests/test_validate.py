@@ -49,7 +49,8 @@ def run_stage(root: Path) -> tuple[int, dict]:
     # The full summary: what metrics/validate.json holds and every check and shard.
     summary = json.loads((root / "reports" / "validate" / "summary.json").read_text())
     metrics = json.loads((root / "metrics" / "validate.json").read_text())
-    assert metrics == {k: summary[k] for k in stage.RESULT_KEYS}
+    keys = (*stage.RESULT_KEYS, "model", "data", "drafter")  # results, then the run's identity
+    assert metrics == {k: summary[k] for k in keys}
     return rc, summary
 
 

@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
     }
     # Every check's observed value and the per-shard counts in the report (one column each in
     # `dvc exp show` would grow with the shard count); the figures that compare runs as metrics.
+    metrics.update(params_mod.identity(p))
     atomic.write_json(Path(args.reports) / SUMMARY_NAME, metrics)
-    record = {**metrics, **params_mod.identity(p)}
-    atomic.write_json(args.metrics, run_log.results(record, RESULT_KEYS))
+    atomic.write_json(args.metrics, run_log.results(metrics, RESULT_KEYS))
     write_plots(Path(args.plots), table)
 
     docs = outcome.docs_index
