@@ -57,7 +57,8 @@ def write(
 def record_throughput(
     path: str | Path, stage: str, tokens_per_s: float | None, record: dict[str, Any]
 ) -> None:
-    """Set `stage`'s entry of the throughput file, keeping the other stages' entries."""
+    """Set `stage`'s entry of the throughput file, keeping the other stages' entries. A run
+    that measured nothing (`tokens_per_s` None: every output reused) keeps the last figure."""
     path = Path(path)
     current: dict[str, Any] = {}
     if path.is_file():
@@ -65,6 +66,8 @@ def record_throughput(
             current = json.loads(path.read_text(encoding="utf-8"))
         except ValueError:
             current = {}  # a torn or hand-edited file: start it again
+    if tokens_per_s is None and stage in current:
+        return
     current[stage] = {
         "tokens_per_s": None if tokens_per_s is None else round(float(tokens_per_s), 1),
         "hardware": record.get("hardware_profile"),

@@ -124,7 +124,9 @@ def metrics(result: Any, profile: dict[str, Any]) -> dict[str, Any]:
         "bytes_per_token": result.bytes_written / max(1, idx["num_tokens"]),
         "tokens_this_run": tokens,
         "seconds": round(result.seconds, 3),
-        "tokens_per_s": tokens / result.seconds if result.seconds > 0 else 0.0,
+        # None when every pack was reused: nothing was measured, and 0 tok/s would read as
+        # "infinitely slow" to `draftline plan`.
+        "tokens_per_s": tokens / result.seconds if tokens and result.seconds > 0 else None,
         "padding_share": 1 - tokens / result.padded_tokens_this_run
         if result.padded_tokens_this_run
         else 0.0,

@@ -1,0 +1,42 @@
+"""Run logs and the throughput file: results to metrics, the whole record to logs/runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from draftline import run_log
+
+
+def args_for(tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        metrics=str(tmp_path / "metrics/extract.json"),
+        run_log=str(tmp_path / "logs/runs/extract.json"),
+        throughput=str(tmp_path / "metrics/throughput.json"),
+    )
+
+
+def test_results_and_identity_go_to_metrics_the_whole_record_to_the_run_log(tmp_path: Path):
+    args = args_for(tmp_path)
+    record = {"num_tokens": 10, "seconds": 2.5, "model": "m", "data": "d", "drafter": "x"}
+    run_log.write(args, "extract", record, ("num_tokens",), 4.0)
+    metrics = json.loads(Path(args.metrics).read_text())
+    assert metrics == {"num_tokens": 10, "model": "m", "data": "d", "drafter": "x"}
+    assert json.loads(Path(args.run_log).read_text()) == record
+    assert json.loads(Path(args.throughput).read_text())["extract"]["tokens_per_s"] == 4.0
+
+
+def test_a_run_that_measured_nothing_keeps_the_last_throughput(tmp_path: Path):
+    """A rerun that reused every pack measured no speed: the earlier figure stays (it once
+    became 0.0 tok/s, which `draftline plan` would read as a stage that never ends)."""
+    path = tmp_path / "throughput.json"
+    run_log.record_throughput(path, "extract", 1234.5, {"hardware_profile": "cpu"})
+    run_log.record_throughput(path, "train", 99.0, {"hardware_profile": "cpu"})
+    run_log.record_throughput(path, "extract", None, {"hardware_profile": "cpu"})
+    assert json.loads(path.read_text()) == {
+        "extract": {"hardware": "cpu", "tokens_per_s": 1234.5},
+        "train": {"hardware": "cpu", "tokens_per_s": 99.0},
+    }
+    run_log.record_throughput(path, "generate", None, {"hardware_profile": "cpu"})
+    assert json.loads(path.read_text())["generate"]["tokens_per_s"] is None  # first: recorded
