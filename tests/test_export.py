@@ -28,7 +28,8 @@ torch.set_num_threads(1)
 
 LAYERS = 2
 TARGET_LAYER_IDS = [0, 1, 2]  # those of test_dflash_model.make_drafter
-# config.json fields that SGLang, vLLM and the reference read (REFERENCE §2).
+# config.json fields that SGLang, vLLM and the reference read (sgl-project/sglang's and vLLM's
+# DFlash loaders, z-lab/dflash `dflash/model.py`).
 REQUIRED_FIELDS = (
     "architectures", "model_type", "block_size", "dflash_config", "num_target_layers",
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",

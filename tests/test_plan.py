@@ -77,7 +77,7 @@ def run_metrics(tmp_path: Path) -> Path:
     return root
 
 
-# The seed's arithmetic (REFERENCE §1, §3).
+# The seed's arithmetic: 914K samples x ~2,500 output tokens at the seed node's 1,600 tok/s.
 
 
 def test_seed_generation_days_on_pro6000_and_b200(seed_plan):

@@ -1,4 +1,5 @@
-"""Offline greedy acceptance length tau of a drafter (REFERENCE §2, "Inference and tau").
+"""Offline greedy acceptance length tau of a drafter (DFlash paper, arXiv 2602.06036; the walk
+of z-lab/dflash `dflash/model.py`).
 
 For each held-out prompt: the target's greedy continuation x, one target forward for the
 features H, then the chained walk. a = prompt length; repeat: draft the block [x_a, MASK...] from

@@ -575,10 +575,6 @@ def build_rows(seed: int = SAMPLE_SEED, num_valid: int = NUM_VALID) -> list[Samp
     return rows
 
 
-def render_file(rows: list[SampleRow]) -> str:
-    return "".join(row.line + "\n" for row in rows)
-
-
 def valid_prompts(rows: list[SampleRow] | None = None) -> list[list[Message]]:
     """Prompts of the bundled rows that curate keeps (each ends in a user turn)."""
     return [row.prompt for row in (rows if rows is not None else build_rows()) if row.prompt]

@@ -10,8 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-FINISH_REASONS = ("stop", "length", "error")
-
 
 @dataclass(frozen=True)
 class Sampling:
