@@ -200,7 +200,7 @@ def _parse_or_none(line: str) -> object:
 
 def read_only(folder: Path) -> int:
     """Reference work: read and JSON-parse every row, nothing else."""
-    from draftline.conversations import list_input_files, read_rows
+    from draftline.data.conversations import list_input_files, read_rows
 
     files, _ = list_input_files([str(folder)])
     return sum(1 for path in files for _ in read_rows(path))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from peak_memory import peak_bytes, reset_peak, rss_bytes
 
-from draftline.extraction import pack_features
+from draftline.drafter.extraction import pack_features
 
 CONTENDERS = ("draftline", "naive")
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead, flops_per_block_token
-from draftline.extraction import pack_features
-from draftline.objective import block_loss, position_weights
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead, flops_per_block_token
+from draftline.drafter.extraction import pack_features
+from draftline.drafter.objective import block_loss, position_weights
 
 # Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), TFLOP/s.
 PEAK_BF16_TFLOPS = {

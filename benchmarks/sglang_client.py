@@ -1,4 +1,5 @@
-"""Benchmark: the SGLang client (draftline.engines.sglang) against a stand-in answering at once.
+"""Benchmark: the SGLang client (draftline.generation.engines.sglang) against a stand-in
+answering at once.
 
 SGLang needs a GPU, so the server is the stand-in of the tests (tests/sglang_standin.py: SGLang's
 native `/generate` and `/health`), run as separate processes with no delay, so that the client's
@@ -26,9 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftline import sglang_server
-from draftline.engines.base import Request, Result, Sampling
-from draftline.engines.sglang import ClientSettings, SGLangEngine
+from draftline.generation import sglang_server
+from draftline.generation.engines.base import Request, Result, Sampling
+from draftline.generation.engines.sglang import ClientSettings, SGLangEngine
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "sglang_standin.py"

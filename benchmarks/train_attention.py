@@ -35,8 +35,13 @@ from typing import Any
 import torch
 from peak_memory import peak_bytes, reset_peak, rss_bytes
 
-from draftline.dflash import ATTENTION_IMPLEMENTATIONS, DFlashConfig, DFlashDrafter, TargetHead
-from draftline.objective import block_loss, position_weights
+from draftline.drafter.dflash import (
+    ATTENTION_IMPLEMENTATIONS,
+    DFlashConfig,
+    DFlashDrafter,
+    TargetHead,
+)
+from draftline.drafter.objective import block_loss, position_weights
 
 IMPLEMENTATIONS = ("blockwise", "dense")
 

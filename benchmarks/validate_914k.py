@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 import yaml
 from tqdm import tqdm
 
-from draftline import atomic, params, quality
+from draftline.quality import checks
+from draftline.runtime import atomic, params
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 248320  # Qwen3.6-27B
@@ -111,7 +112,7 @@ def synthetic_shard(rng: np.random.Generator, n: int) -> pa.Table:
     offsets, values = token_ids(rng, lengths)
     values[offsets[1:][(~truncated) & (lengths > 0)] - 1] = END_OF_TURN
     completion = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-    hashes = [quality.completion_hash(values[offsets[i] : offsets[i + 1]]) for i in range(n)]
+    hashes = [checks.completion_hash(values[offsets[i] : offsets[i + 1]]) for i in range(n)]
 
     think = (lengths * rng.uniform(0.5, 0.9, n)).astype(np.int64)
     answer = np.where(truncated | failed, 0, np.maximum(lengths - think - 3, 0))
@@ -159,7 +160,7 @@ def write_params(root: Path, shards: int) -> None:
 def time_reference_read(folder: Path) -> float:
     start = time.perf_counter()
     for path in sorted(folder.glob("shard-*.parquet")):
-        pq.read_table(path, columns=list(quality.COLUMNS)).to_pandas()
+        pq.read_table(path, columns=list(checks.COLUMNS)).to_pandas()
     return time.perf_counter() - start
 
 

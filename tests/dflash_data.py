@@ -1,7 +1,7 @@
 """Test data for the drafter tests: a tiny random Qwen3 target and extracted packs.
 
 Real components only: a transformers Qwen3 model saved with `save_pretrained`, features from
-`draftline.features.target_layer_states`, packs in the layout of docs/pipeline.md.
+`draftline.drafter.features.target_layer_states`, packs in the layout of docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftline.features import target_layer_states
+from draftline.drafter.features import target_layer_states
 
 VOCAB = 96
 MASK_ID = VOCAB - 1

@@ -37,7 +37,7 @@ def build_random_target(out_dir: Path) -> Path:
     """A random-weight tiny Qwen3 model with the project's tokenizer and Qwen3-format template."""
     import torch
 
-    from draftline import sample_prompts, tiny_target
+    from draftline.embedded import sample_prompts, tiny_target
 
     torch.set_num_threads(1)
     examples = sample_prompts.training_prompts(0, 200)
@@ -78,7 +78,7 @@ def write_curated(path: Path, n: int, seed: int = 0, shard: int = 0) -> list[str
     """A curated shard in the docs/pipeline.md layout; returns its ids (sorted)."""
     import hashlib
 
-    from draftline import atomic
+    from draftline.runtime import atomic
 
     rows = []
     for msgs in conversations(n, seed):

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draftline import quality
+from draftline.quality import checks
 
 MAX_NEW_TOKENS = 96
 END_OF_TURN = 2
@@ -42,7 +42,7 @@ def samples_frame(n: int = 400, seed: int = 0) -> pd.DataFrame:
             "think_tokens": think,
             "answer_tokens": lengths - think - 3,  # minus <think>, </think>, end of turn
             "loss_mask_sum": lengths,
-            "completion_hash": [quality.completion_hash(c) for c in completions],
+            "completion_hash": [checks.completion_hash(c) for c in completions],
             "completion_ids": completions,
         }
     )
@@ -58,7 +58,7 @@ def seed_pathology(frame: pd.DataFrame, share: float = 0.87) -> pd.DataFrame:
     out.loc[rows, "has_think_block"] = False
     out.loc[rows, "think_tokens"] = 0
     out.loc[rows, "answer_tokens"] = len(ok) - 1
-    out.loc[rows, "completion_hash"] = quality.completion_hash(ok)
+    out.loc[rows, "completion_hash"] = checks.completion_hash(ok)
     chosen = set(rows)
     out["completion_ids"] = [ok if i in chosen else c for i, c in enumerate(out["completion_ids"])]
     return out
@@ -87,7 +87,7 @@ def failed_requests(frame: pd.DataFrame, share: float) -> pd.DataFrame:
         out.loc[rows, column] = 0
     out.loc[rows, "has_think_block"] = False
     empty = np.zeros(0, np.int32)
-    out.loc[rows, "completion_hash"] = quality.completion_hash(empty)
+    out.loc[rows, "completion_hash"] = checks.completion_hash(empty)
     chosen = set(rows)
     out["completion_ids"] = [
         empty if i in chosen else c for i, c in enumerate(out["completion_ids"])

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftline.atomic import write_safetensors
+from draftline.runtime.atomic import write_safetensors
 
 
 def test_safetensors_files_are_byte_identical_and_readable(tmp_path: Path) -> None:

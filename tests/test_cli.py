@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from hydra.errors import MissingConfigException
 
-from draftline import atomic, cli, params, target
+from draftline import cli
+from draftline.core import target
+from draftline.runtime import atomic, params
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from draftline import curation
-from draftline.conversations import REASONS, normalise, read_rows
-from draftline.curation import (
+from draftline.core.target import load_tokenizer, prompt_ids, render_prompt
+from draftline.data import curation
+from draftline.data.conversations import REASONS, normalise, read_rows
+from draftline.data.curation import (
     ByteLevelTokenCounter,
     CurateSettings,
     PromptTokenCounter,
@@ -28,7 +29,6 @@ from draftline.curation import (
     curate,
 )
 from draftline.stages import curate as stage
-from draftline.target import load_tokenizer, prompt_ids, render_prompt
 
 BUDGET = 256
 THINKING = {"enable_thinking": True}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftline import dflash
-from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter import dflash
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 
 pytestmark = pytest.mark.float_kernels
 

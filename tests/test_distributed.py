@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline import distributed
+from draftline.runtime import distributed
 
 # Each worker joins the group, sums its rank over it, and lists the addresses that listen on
 # the rendezvous port (from the kernel's socket tables, whatever process owns them).
@@ -18,7 +18,7 @@ PROBE = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from draftline import distributed
+from draftline.runtime import distributed
 
 distributed.init("gloo")
 port = int(os.environ["MASTER_PORT"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline import params
 from draftline.commands import doctor
+from draftline.runtime import params
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 import torch
 from generate_helpers import build_random_target, conversations, make_workdir, run_generate
 
-from draftline import target
-from draftline.engines.base import Request, Result, Sampling
-from draftline.engines.local import LocalEngine
-from draftline.loss_mask import completion_stats, special_ids
+from draftline.core import target
+from draftline.core.loss_mask import completion_stats, special_ids
+from draftline.generation.engines.base import Request, Result, Sampling
+from draftline.generation.engines.local import LocalEngine
 
 pytestmark = pytest.mark.float_kernels
 

@@ -12,18 +12,18 @@ import torch
 import yaml
 from tiny_qwen3 import END_OF_TURN, VOCAB, generated_row, tiny_qwen3, write_shard
 
-from draftline.dflash import DFlashConfig, DFlashDrafter, TargetHead
-from draftline.evaluation import (
+from draftline.core.continuation import greedy_continuations
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter.evaluation import (
     Cycle,
     TauReport,
     anchor_drafts,
     chained_walk,
-    greedy_continuations,
     judge,
     walk_batched,
     walk_step_by_step,
 )
-from draftline.features import target_layer_states
+from draftline.drafter.features import target_layer_states
 from draftline.stages import evaluate as evaluate_stage
 
 pytestmark = pytest.mark.float_kernels
@@ -175,8 +175,8 @@ def save_word_tokenizer(folder: Path) -> None:
 
 def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     from draftline.cli import main
-    from draftline.evaluation import evaluate_drafter
-    from draftline.export import export_drafter
+    from draftline.drafter.evaluation import evaluate_drafter
+    from draftline.drafter.export import export_drafter
 
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)

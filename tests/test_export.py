@@ -19,8 +19,8 @@ from test_dflash_model import BLOCK, HIDDEN, VOCAB
 from test_dflash_model import make_drafter as make_model_drafter
 from transformers import AutoConfig, Qwen3Model
 
-from draftline.dflash import DFlashDrafter
-from draftline.export import export_drafter, load_drafter
+from draftline.drafter.dflash import DFlashDrafter
+from draftline.drafter.export import export_drafter, load_drafter
 
 pytestmark = pytest.mark.float_kernels
 

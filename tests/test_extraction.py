@@ -16,7 +16,8 @@ import torch
 import yaml
 from tiny_qwen3 import generated_row, random_rows, tiny_qwen3, write_shard
 
-from draftline.extraction import (
+from draftline.core.loss_mask import loss_mask
+from draftline.drafter.extraction import (
     ExtractSettings,
     extract,
     length_batches,
@@ -24,7 +25,6 @@ from draftline.extraction import (
     plan_packs,
     read_index,
 )
-from draftline.loss_mask import loss_mask
 
 pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
@@ -169,7 +169,7 @@ import torch
 torch.set_num_threads(1)
 from test_extraction import settings
 from tiny_qwen3 import tiny_qwen3
-from draftline.extraction import extract
+from draftline.drafter.extraction import extract
 
 real_save = safetensors.torch.save_file
 

@@ -1,4 +1,4 @@
-"""draftline.features: target-layer states equal HF's and the forward stops early."""
+"""draftline.drafter.features: target-layer states equal HF's and the forward stops early."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_qwen3 import VOCAB, tiny_qwen3
 
-from draftline.features import target_layer_states
+from draftline.drafter.features import target_layer_states
 
 pytestmark = pytest.mark.float_kernels
 

@@ -26,8 +26,8 @@ from generate_helpers import (
     sglang_hardware,
 )
 
-from draftline.engines.base import Result
-from draftline.journal import Journal
+from draftline.generation.engines.base import Result
+from draftline.generation.journal import Journal
 
 JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
 
@@ -160,8 +160,8 @@ def test_journal_of_another_sampling_is_set_aside(tmp_path):
 
 def test_journal_of_another_chat_template_is_set_aside(tmp_path):
     """Fixing a broken template (same model, kwargs and sampling) must not resume its samples."""
-    from draftline.engines.base import Sampling
-    from draftline.generation import Identity
+    from draftline.generation.engines.base import Sampling
+    from draftline.generation.shards import Identity
 
     sampling = Sampling(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     before, after = (

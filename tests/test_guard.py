@@ -1,11 +1,12 @@
-"""The online quality guard of `generate` (draftline.guard).
+"""The online quality guard of `generate` (draftline.generation.guard).
 
 Unit tests feed the guard rows built with the library's own completion statistics
-(`draftline.loss_mask.completion_stats`, `draftline.quality.completion_hash`) under the project's
-real thresholds (conf/quality/default.yaml). The end-to-end test runs a generate stage in a
-subprocess against the SGLang stand-in (tests/sglang_standin.py, a real HTTP server in its own
-process speaking SGLang's `/generate` and `/health`; SGLang itself needs a GPU) answering empty
-completions, and checks that the shard stops early, says why, and keeps what it journaled.
+(`draftline.core.loss_mask.completion_stats`, `draftline.quality.checks.completion_hash`) under
+the project's real thresholds (conf/quality/default.yaml). The end-to-end test runs a generate
+stage in a subprocess against the SGLang stand-in (tests/sglang_standin.py, a real HTTP server
+in its own process speaking SGLang's `/generate` and `/health`; SGLang itself needs a GPU)
+answering empty completions, and checks that the shard stops early, says why, and keeps what it
+journaled.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from generate_helpers import (
     sglang_hardware,
 )
 
-from draftline.engines.base import Result
-from draftline.guard import Guard, GuardAbort
-from draftline.journal import Journal
-from draftline.loss_mask import SpecialIds, completion_stats
-from draftline.quality import completion_hash
+from draftline.core.loss_mask import SpecialIds, completion_stats
+from draftline.generation.engines.base import Result
+from draftline.generation.guard import Guard, GuardAbort
+from draftline.generation.journal import Journal
+from draftline.quality.checks import completion_hash
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_QUALITY = yaml.safe_load((REPO / "conf/quality/default.yaml").read_text(encoding="utf-8"))

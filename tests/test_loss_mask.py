@@ -1,10 +1,10 @@
-"""The one definition of the loss mask and the completion statistics (draftline.loss_mask)."""
+"""The one definition of the loss mask and the completion statistics (draftline.core.loss_mask)."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftline.loss_mask import (
+from draftline.core.loss_mask import (
     SpecialIds,
     completion_stats,
     cut_at_end_of_turn,
@@ -62,7 +62,7 @@ def test_mask_is_zero_over_prompt_and_one_over_completion():
 
 
 def test_special_ids_come_from_the_tokenizer(tmp_path):
-    from draftline import tiny_target
+    from draftline.embedded import tiny_target
 
     tok = tiny_target.build_tokenizer(["hello world", "think about it"], 300)
     ids = special_ids(tok, "<|im_end|>")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline.dflash import DFlashConfig
+from draftline.drafter.dflash import DFlashConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 PROFILES = sorted(p.stem for p in CONF.glob("*.yaml"))
@@ -128,8 +128,8 @@ def test_a_derived_drafter_shape_copies_the_target() -> None:
 
 
 def test_doctor_says_when_hybrid_layers_run_on_the_slow_fallback(monkeypatch) -> None:
-    from draftline import target
     from draftline.commands import doctor
+    from draftline.core import target
 
     hybrid = {"model": profile("qwen3_6_27b")}
     monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: ["causal-conv1d"])

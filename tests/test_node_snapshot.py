@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline import node_snapshot
+from draftline.ops import node_snapshot
 
 SECRET = "hf_SuperSecretTokenValue123"
 PASSWORD = "pw-Kx93-very-private"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftline.objective import (
+from draftline.drafter.objective import (
     anchor_generator,
     block_loss,
     block_targets,

@@ -356,8 +356,8 @@ def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
     pathology), the columns recomputed by the library as `generate` computes them."""
     from transformers import AutoTokenizer
 
-    from draftline.loss_mask import completion_stats, prompt_opens_think, special_ids
-    from draftline.quality import completion_hash
+    from draftline.core.loss_mask import completion_stats, prompt_opens_think, special_ids
+    from draftline.quality.checks import completion_hash
 
     tokenizer = AutoTokenizer.from_pretrained(repo / "models/tiny-qwen36")
     special = special_ids(tokenizer, "<|im_end|>")
@@ -383,8 +383,8 @@ def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
 
 
 def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin, tmp_path):
-    from draftline.guard import Guard, GuardAbort
-    from draftline.quality import COLUMNS
+    from draftline.generation.guard import Guard, GuardAbort
+    from draftline.quality.checks import COLUMNS
 
     repo, _ = twin
     bad = copy_project(tmp_path / "bad")
@@ -423,8 +423,8 @@ def test_the_twin_trains_with_online_features(twin, tmp_path):
 def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):
     """An undeclared file is neither pushed by DVC nor committed by salvage: dvclive's summary
     `metrics.json` left every fresh run NOT SAFE. Train's own dvclive call, in a scratch dir."""
+    from draftline.drafter.training import Metrics
     from draftline.stages import train as train_stage
-    from draftline.training import Metrics
 
     parser = argparse.ArgumentParser()
     train_stage.add_arguments(parser)

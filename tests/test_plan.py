@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from draftline import cli, hardware, params, planning
+from draftline import cli
 from draftline.commands import plan as plan_cmd
+from draftline.ops import planning
+from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
 # What the stages record of the run they measured (params.identity).
@@ -555,9 +557,9 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
 
     import numpy as np
 
-    from draftline import atomic
-    from draftline.curation import CurateResult
-    from draftline.generation import shard_metrics
+    from draftline.data.curation import CurateResult
+    from draftline.generation.shards import shard_metrics
+    from draftline.runtime import atomic
 
     root = tmp_path / "metrics"
     curated = CurateResult(
@@ -580,3 +582,16 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
     assert inputs["prompt_tokens"]["value"] == 300
     assert inputs["completion_tokens"]["value"] == 1200  # 7,200 / 6 from the shard
     assert plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]["value"] == 2000
+
+
+def test_a_run_log_of_another_run_is_not_merged(capsys, conf, run_metrics, tmp_path):
+    """logs/runs/ is this node's last run; metrics/ may come from git (another run): a run log
+    adds timings to a metrics file only when both record the same model, data and drafter."""
+    runs = tmp_path / "runs"
+    write_json(runs / "curate.json", {**TINY_RUN, "rows_kept": 330, "seconds": 2.0})
+    out = _main_json(
+        capsys, *SEED, "--config-dir", str(conf), "--metrics-dir", str(run_metrics),
+        "--runs-dir", str(runs),
+    )  # fmt: skip
+    assert out["inputs"]["samples"]["value"] == 1000  # the metrics' own figure, not 330
+    assert any("another run" in note for note in out["notes"])

@@ -1,4 +1,4 @@
-"""The quality checks (draftline.quality) on pandas tables: the definitions the online guard
+"""The quality checks (draftline.quality.checks) on pandas tables: the definitions the online guard
 and the validate stage share. The GX side is tested in test_validate.py."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from generated_samples import (
     truncated,
 )
 
-from draftline import params, quality
+from draftline.quality import checks
+from draftline.runtime import params
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def default_quality(repo_root):
 
 
 def results_by_name(table, quality_cfg, thinking=True, expected_rows=None):
-    results = quality.run_checks(table, quality_cfg, thinking=thinking, expected_rows=expected_rows)
+    results = checks.run_checks(table, quality_cfg, thinking=thinking, expected_rows=expected_rows)
     return {r.name: r for r in results}
 
 
@@ -49,7 +50,7 @@ def test_healthy_table_passes_every_check(default_quality):
         "completion_tokens_q50",
         "completion_tokens_q90",
     }
-    assert all(r.passed for r in results.values()), quality.summarize(list(results.values()))
+    assert all(r.passed for r in results.values()), checks.summarize(list(results.values()))
     assert results["supervised_tokens_min"].observed == 1.0
     assert results["row_count"].observed == 400
 
@@ -64,7 +65,7 @@ def test_seed_pathology_fails_on_supervised_tokens(default_quality):
     assert results["supervised_tokens_min"].observed == pytest.approx(0.13, abs=0.005)
     # 87% identical "OK." answers: far from unique.
     assert "unique_completions" in failed
-    text = quality.summarize(list(results.values()))
+    text = checks.summarize(list(results.values()))
     assert "supervised_tokens_min" in text and ">= 0.90 of answered samples" in text
 
 
@@ -162,7 +163,7 @@ def test_no_answered_rows_fail_with_nothing_to_measure(default_quality):
     results = results_by_name(table, default_quality)
     assert results["supervised_tokens_min"].observed is None
     assert not results["supervised_tokens_min"].passed
-    assert "nothing to measure" in quality.summarize(list(results.values()))
+    assert "nothing to measure" in checks.summarize(list(results.values()))
 
 
 def test_thresholds_come_from_the_config(default_quality):
@@ -171,15 +172,15 @@ def test_thresholds_come_from_the_config(default_quality):
     assert "supervised_tokens_min" in failed_names(table, stricter)
     without = {k: v for k, v in default_quality.items() if k != "max_mode_share"}
     with pytest.raises(KeyError, match="quality.max_mode_share"):
-        quality.run_checks(table, without, thinking=True)
+        checks.run_checks(table, without, thinking=True)
     with pytest.raises(ValueError, match="between 0 and 1"):
-        quality.run_checks(table, default_quality | {"max_error_share": 5}, thinking=True)
+        checks.run_checks(table, default_quality | {"max_error_share": 5}, thinking=True)
 
 
 def test_missing_columns_name_the_contract(default_quality):
     table = samples_frame(20).drop(columns=["completion_hash"])
     with pytest.raises(ValueError, match="completion_hash.*docs/pipeline.md"):
-        quality.run_checks(table, default_quality, thinking=True)
+        checks.run_checks(table, default_quality, thinking=True)
 
 
 def test_per_model_overrides_merge_over_the_quality_file(repo_root):
@@ -203,12 +204,12 @@ def test_per_model_overrides_merge_over_the_quality_file(repo_root):
 def test_completion_hash_is_sha256_of_int32_ids():
     ids = [151644, 77091, 198, 2]
     expected = hashlib.sha256(np.array(ids, dtype="<i4").tobytes()).hexdigest()[:16]
-    assert quality.completion_hash(ids) == expected
-    assert quality.completion_hash(np.array(ids, dtype=np.int64)) == expected
-    assert quality.completion_hash(ids[:-1]) != expected
+    assert checks.completion_hash(ids) == expected
+    assert checks.completion_hash(np.array(ids, dtype=np.int64)) == expected
+    assert checks.completion_hash(ids[:-1]) != expected
 
 
 def test_thinking_enabled_reads_the_model_template_kwargs():
-    assert quality.thinking_enabled({"model": {"chat_template_kwargs": {"enable_thinking": True}}})
-    assert not quality.thinking_enabled({"model": {"chat_template_kwargs": {}}})
-    assert not quality.thinking_enabled({"model": {}})
+    assert checks.thinking_enabled({"model": {"chat_template_kwargs": {"enable_thinking": True}}})
+    assert not checks.thinking_enabled({"model": {"chat_template_kwargs": {}}})
+    assert not checks.thinking_enabled({"model": {}})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
-from draftline import remote
+from draftline.ops import remote
 
 
 @pytest.fixture

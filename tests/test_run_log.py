@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draftline import run_log
+from draftline.runtime import run_log
 
 
 def args_for(tmp_path: Path) -> argparse.Namespace:

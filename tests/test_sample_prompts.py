@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline import sample_prompts
 from draftline.cli import main
+from draftline.embedded import sample_prompts
 
 SAMPLE_FILE = Path(__file__).resolve().parents[1] / "data" / "sample" / sample_prompts.FILE_NAME
 REJECT_REASONS = {
@@ -115,7 +115,7 @@ def test_prompts_fit_the_token_budget_and_long_rows_do_not(
     import yaml
     from transformers import AutoTokenizer
 
-    from draftline.target import prompt_ids
+    from draftline.core.target import prompt_ids
 
     budget = yaml.safe_load((repo_root / "conf/data/sample.yaml").read_text())["max_prompt_tokens"]
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)

@@ -37,8 +37,9 @@ from generate_helpers import (
     sglang_hardware,
 )
 
-from draftline import hardware, sglang_server
-from draftline.sglang_server import ServeError, server_command, server_url
+from draftline.generation import sglang_server
+from draftline.generation.sglang_server import ServeError, server_command, server_url
+from draftline.runtime import hardware
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = hardware.load_profiles(REPO / "conf")

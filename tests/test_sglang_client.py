@@ -15,8 +15,13 @@ import pytest
 from generate_helpers import StandIn, free_port
 from sglang_standin import build_parser, completion_for
 
-from draftline.engines.base import EngineUnavailable, Request, Result, Sampling
-from draftline.engines.sglang import ClientSettings, SGLangEngine, parse_response, resolve_endpoints
+from draftline.generation.engines.base import EngineUnavailable, Request, Result, Sampling
+from draftline.generation.engines.sglang import (
+    ClientSettings,
+    SGLangEngine,
+    parse_response,
+    resolve_endpoints,
+)
 
 EOT = 2
 SAMPLING = Sampling(max_new_tokens=64)

@@ -12,8 +12,8 @@ import torch
 import yaml
 from fixture_checks import assert_rebuild_matches, assert_same_files
 
-from draftline import sample_prompts, tiny_target
-from draftline.target import prompt_ids
+from draftline.core.target import prompt_ids
+from draftline.embedded import sample_prompts, tiny_target
 
 pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(2)

@@ -21,7 +21,7 @@ import torch
 import yaml
 from dflash_data import generated_sequences, make_target, model_params, write_packs
 
-from draftline.training import Hyperparameters, RunOptions, train
+from draftline.drafter.training import Hyperparameters, RunOptions, train
 
 pytestmark = pytest.mark.float_kernels
 

@@ -22,7 +22,7 @@ from generated_samples import (
     write_params,
 )
 
-from draftline import quality, validation
+from draftline.quality import checks, validation
 from draftline.stages import validate as stage
 
 NUM_SHARDS = 3
@@ -201,7 +201,7 @@ def test_gx_and_pandas_measure_the_same(tmp_path):
     outcome = validation.run_suite(
         table, cfg, thinking=True, expected_rows=310, report_dir=tmp_path
     )
-    measured = quality.run_checks(table, cfg, thinking=True, expected_rows=310)
+    measured = checks.run_checks(table, cfg, thinking=True, expected_rows=310)
     assert [r.name for r in outcome.results] == [r.name for r in measured]
     for gx_side, pandas_side in zip(outcome.results, measured, strict=True):
         assert gx_side.passed == pandas_side.passed, gx_side.name
@@ -209,7 +209,7 @@ def test_gx_and_pandas_measure_the_same(tmp_path):
     assert not outcome.passed
     saved = json.loads(outcome.results_path.read_text())
     assert {c["name"] for c in saved["checks"] if not c["passed"]} == {
-        r.name for r in quality.failures(measured)
+        r.name for r in checks.failures(measured)
     }
 
 

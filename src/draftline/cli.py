@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     if COMMANDS[name][0].startswith("draftline.stages.") and "DVC_STAGE" in os.environ:
-        from draftline import stage_inputs
+        from draftline.ops import stage_inputs
 
         stage_inputs.check_from_env()  # before the stage reads anything (--allow-missing)
     module = importlib.import_module(COMMANDS[name][0])

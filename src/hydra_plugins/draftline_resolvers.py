@@ -4,6 +4,6 @@
 draftline; Hydra's plugin scan (which DVC runs before composing) imports this module.
 """
 
-from draftline.resolvers import register
+from draftline.runtime.resolvers import register
 
 register()

@@ -1,7 +1,7 @@
 """Rebuild the bundled prompt set, data/sample/conversations.jsonl, byte for byte.
 
-The conversations come from the project's own templates (`draftline.sample_prompts`), with a
-few deliberately bad rows per curate reject reason.
+The conversations come from the project's own templates
+(`draftline.embedded.sample_prompts`), with a few deliberately bad rows per curate reject reason.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from draftline import atomic, sample_prompts
+    from draftline.embedded import sample_prompts
+    from draftline.runtime import atomic
 
     rows = sample_prompts.build_rows()
     path = Path(args.out) / sample_prompts.FILE_NAME

@@ -16,8 +16,8 @@ import yaml
 
 # Model option -> (builder module, default output folder).
 BUILDERS = {
-    "tiny": ("draftline.tiny_target", "models/tiny-target"),
-    "tiny_qwen36": ("draftline.tiny_qwen36", "models/tiny-qwen36"),
+    "tiny": ("draftline.embedded.tiny_target", "models/tiny-target"),
+    "tiny_qwen36": ("draftline.embedded.tiny_qwen36", "models/tiny-qwen36"),
 }
 
 
@@ -44,8 +44,8 @@ def _profile(model: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import importlib
 
-    from draftline import sample_prompts, tiny_target
-    from draftline.target import load_model
+    from draftline.core.target import load_model
+    from draftline.embedded import sample_prompts, tiny_target
 
     module, default_out = BUILDERS[args.model]
     out = args.out or default_out

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from draftline import atomic, params
+from draftline.runtime import atomic, params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, remote, target
+from draftline.core import target
+from draftline.ops import remote
+from draftline.runtime import hardware, params
 
 PACKAGES = [
     "dvc",
@@ -105,7 +107,7 @@ def _hybrid_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str
     model = (run_params or {}).get("model") or {}
     if not model.get("hybrid"):
         return []
-    from draftline.target import hybrid_kernels_missing
+    from draftline.core.target import hybrid_kernels_missing
 
     missing = hybrid_kernels_missing()
     detail = (

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, planning, run_log
+from draftline.ops import planning
+from draftline.runtime import hardware, params, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
 
@@ -42,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-dir", default="conf")
     parser.add_argument("--metrics-dir", default="metrics", help="stage metrics of a run")
     parser.add_argument(
-        "--runs-dir", default=str(run_log.RUNS_DIR), help="stage run logs (timings, hardware)"
+        "--runs-dir",
+        help=f"stage run logs (timings, hardware); default: {run_log.RUNS_DIR} beside the "
+        "metrics folder, i.e. of the same checkout",
     )
     parser.add_argument(
         "--params", default="params.yaml", help="params to plan when no overrides are given"
@@ -102,6 +105,9 @@ def read_metrics(
         data: dict[str, Any] = {}
         for path in (base / f"{name}.json" for base in folders):
             if path.is_file() and (loaded := load(path)) is not None:
+                if data and _identity(loaded) != _identity(data):
+                    notes.append(f"ignored {path}: a run log of another run than {name}'s metrics")
+                    continue
                 data.update(loaded)
                 found.setdefault("paths", {})[name] = path.as_posix()
         if data:
@@ -116,13 +122,18 @@ def read_metrics(
     return found, notes
 
 
+def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(record.get(k) for k in run_log.IDENTITY_KEYS)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.overrides:
         composed = params.compose(args.overrides, args.config_dir)
     else:
         composed = params.load(args.params)
     profiles = hardware.load_profiles(args.config_dir)
-    metrics, notes = read_metrics(args.metrics_dir, args.runs_dir)
+    runs_dir = args.runs_dir or Path(args.metrics_dir).resolve().parent / run_log.RUNS_DIR
+    metrics, notes = read_metrics(args.metrics_dir, runs_dir)
     if args.from_metrics and not metrics:
         raise SystemExit(
             f"no stage metrics under {args.metrics_dir}/: run the pipeline first (dvc repro) "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftline import salvage
+from draftline.ops import salvage
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

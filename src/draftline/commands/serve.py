@@ -15,7 +15,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, sglang_server
+from draftline.generation import sglang_server
+from draftline.runtime import hardware, params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

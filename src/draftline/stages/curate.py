@@ -11,12 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from draftline import params as params_mod
-from draftline import run_log
-from draftline.atomic import write_json
-from draftline.curation import CurateSettings, PromptTokenCounter, curate
-from draftline.hardware import describe, resolve_profile
-from draftline.target import load_tokenizer
+from draftline.core.target import load_tokenizer
+from draftline.data.curation import CurateSettings, PromptTokenCounter, curate
+from draftline.runtime import params as params_mod
+from draftline.runtime import run_log
+from draftline.runtime.atomic import write_json
+from draftline.runtime.hardware import describe, resolve_profile
 
 OUT_DIR = "data/curated"
 METRICS_PATH = "metrics/curate.json"

@@ -15,8 +15,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, run_log
-from draftline.atomic import write_text
+from draftline.runtime import hardware, params, run_log
+from draftline.runtime.atomic import write_text
 
 # The figures that compare drafters; per-position acceptance and the commit histogram are plots.
 RESULT_KEYS = (
@@ -51,11 +51,12 @@ def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from draftline.evaluation import evaluate_drafter, greedy_continuations
-    from draftline.export import load_drafter
-    from draftline.extraction import pack_features
-    from draftline.target import load_model, load_tokenizer, special_token_id
-    from draftline.training import Hyperparameters, build_drafter
+    from draftline.core.continuation import greedy_continuations
+    from draftline.core.target import load_model, load_tokenizer, special_token_id
+    from draftline.drafter.evaluation import evaluate_drafter
+    from draftline.drafter.export import load_drafter
+    from draftline.drafter.extraction import pack_features
+    from draftline.drafter.training import Hyperparameters, build_drafter
 
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
@@ -70,16 +71,14 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(model_cfg, device=str(device), dtype=str(profile.get("precision", "fp32")))
     eot = special_token_id(load_tokenizer(model_cfg), str(model_cfg["end_of_turn_token"]))
     batch = int((profile.get("local") or {}).get("batch_size") or 16)
-    continuations = greedy_continuations(
-        target, prompts, int(ev["max_new_tokens"]), eot, batch, device
-    )
+    continuations = greedy_continuations(target, prompts, int(ev["max_new_tokens"]), eot, batch)
     sequences = [(pr + c, len(pr)) for pr, c in zip(prompts, continuations, strict=True)]
     layer_ids = [int(i) for i in model_cfg["target_layer_ids"]]
     tokens_per_batch = int(profile.get("extract_tokens_per_batch") or 4096)
     feats, _ = pack_features(target, [s for s, _ in sequences], layer_ids, tokens_per_batch, device)
     features = list(feats.split([len(s) for s, _ in sequences]))  # bf16, as training sees them
 
-    from draftline.dflash import TargetHead
+    from draftline.drafter.dflash import TargetHead
 
     head = TargetHead.from_model(target)
     trained = load_drafter(args.drafter, head).to(device)

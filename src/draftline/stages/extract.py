@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params, run_log
-from draftline.curation import shard_file_name
+from draftline.data.curation import shard_file_name
+from draftline.runtime import distributed, hardware, params, run_log
 
 # What the packs are (the same on any hardware, in any run); timings and world size go to the
 # run log.
@@ -48,8 +48,8 @@ def require_passed_verdict(path: Path) -> dict[str, Any]:
 
 
 def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
-    from draftline.extraction import ExtractSettings
-    from draftline.target import model_ref
+    from draftline.core.target import model_ref
+    from draftline.drafter.extraction import ExtractSettings
 
     return ExtractSettings(
         features=str(p["extract"]["features"]),
@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from draftline.extraction import extract
-    from draftline.target import load_model
+    from draftline.core.target import load_model
+    from draftline.drafter.extraction import extract
 
     if profile.get("num_threads"):
         torch.set_num_threads(int(profile["num_threads"]))

@@ -19,13 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline import hardware, params, run_log, target
-from draftline.curation import shard_file_name
-from draftline.engines.base import Engine, EngineUnavailable, Sampling
-from draftline.generation import Identity, ShardFailed, ShardPaths, run_shard
-from draftline.guard import Guard, GuardAbort
-from draftline.loss_mask import special_ids
-from draftline.quality import thinking_enabled
+from draftline.core import target
+from draftline.core.loss_mask import special_ids
+from draftline.data.curation import shard_file_name
+from draftline.generation.engines.base import Engine, EngineUnavailable, Sampling
+from draftline.generation.guard import Guard, GuardAbort
+from draftline.generation.shards import Identity, ShardFailed, ShardPaths, run_shard
+from draftline.quality.checks import thinking_enabled
+from draftline.runtime import hardware, params, run_log
 
 JOURNAL_DIR = Path(".draftline/journal/generate")
 
@@ -75,7 +76,7 @@ def make_engine(
 ) -> Engine:
     kind = profile.get("engine", "local")
     if kind == "local":
-        from draftline.engines.local import LocalEngine
+        from draftline.generation.engines.local import LocalEngine
 
         return LocalEngine.from_config(p["model"], sampling, tokenizer, end_of_turn, profile)
     if kind == "sglang":
@@ -86,8 +87,13 @@ def make_engine(
 def make_sglang_engine(
     p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
 ) -> Engine:
-    from draftline import sglang_server
-    from draftline.engines.sglang import ClientSettings, SGLangEngine, reachable, resolve_endpoints
+    from draftline.generation import sglang_server
+    from draftline.generation.engines.sglang import (
+        ClientSettings,
+        SGLangEngine,
+        reachable,
+        resolve_endpoints,
+    )
 
     gen = p.get("generate") or {}
     sg = sglang_server.sglang_settings(profile)
@@ -172,11 +178,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     if not args.eval:  # one generate figure: output tokens/s over this node's train shards
-        from draftline.planning import generation_rate
-
         shards = [json.loads(p.read_text()) for p in paths.run_log.parent.glob("shard-*.json")]
         run_log.record_throughput(
-            run_log.THROUGHPUT_PATH, "generate", generation_rate(shards), metrics
+            run_log.THROUGHPUT_PATH, "generate", run_log.generation_rate(shards), metrics
         )
     print(
         f"generate {paths.name}: {metrics['samples']} samples ({metrics['resumed_samples']} "

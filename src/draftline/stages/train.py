@@ -13,8 +13,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from draftline import distributed, hardware, params, run_log, target
-from draftline.atomic import write_text
+from draftline.core import target
+from draftline.runtime import distributed, hardware, params, run_log
+from draftline.runtime.atomic import write_text
 
 # What was trained and how well; timings, resume state and the batch split go to the run log.
 RESULT_KEYS = (
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from draftline.export import export_drafter
-    from draftline.training import Hyperparameters, RunOptions, train
+    from draftline.drafter.export import export_drafter
+    from draftline.drafter.training import Hyperparameters, RunOptions, train
 
     if profile.get("num_threads"):
         torch.set_num_threads(int(profile["num_threads"]))
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict[str, Any]:
-    from draftline.training import POSITION_PREFIX
+    from draftline.drafter.training import POSITION_PREFIX
 
     last = result.history[-1] if result.history else {}
     return {
@@ -118,7 +119,7 @@ def write_accuracy_per_position(folder: Path, history: list[dict[str, float]]) -
     One long table rather than one file per position, so a single chart (template
     `lines_by_position`) draws every position whatever the block size.
     """
-    from draftline.training import POSITION_PREFIX
+    from draftline.drafter.training import POSITION_PREFIX
 
     rows = ["step,position,accuracy"]
     for step, record in enumerate(history):

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from draftline import atomic, quality, run_log
-from draftline import params as params_mod
+from draftline.quality import checks
+from draftline.runtime import atomic, run_log
+from draftline.runtime import params as params_mod
 
 GENERATED_DIR = "data/generated/train"
 CURATE_SUMMARY = "data/curated/summary.json"
@@ -63,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
     paths = shard_paths(Path(args.generated), shard_ids)
     table = read_scalar_columns(paths, progress=not args.no_progress)
 
-    from draftline import validation
+    from draftline.quality import validation
 
     outcome = validation.run_suite(
         table,
         p["quality"],
-        thinking=quality.thinking_enabled(p),
+        thinking=checks.thinking_enabled(p),
         expected_rows=sum(expected.values()),
         report_dir=args.reports,
     )
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(
                     f"shard {k}: {counts['curated']} curated rows, {counts['generated']} generated"
                 )
-        failed = len(quality.failures(outcome.results))
+        failed = len(checks.failures(outcome.results))
         console.print(
             f"[bold red]validate: FAILED[/] {failed} of {len(outcome.results)} checks on "
             f"{len(table)} samples; nothing downstream will run. Results: "
@@ -152,7 +153,7 @@ def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:
 
 
 def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataFrame:
-    """The scalar columns of quality.COLUMNS from every shard, plus `shard` (its index)."""
+    """The scalar columns of checks.COLUMNS from every shard, plus `shard` (its index)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm import tqdm
@@ -160,8 +161,8 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
     tables = []
     for path in tqdm(paths, desc="validate: read", unit="shard", disable=not progress):
         names = set(pq.read_schema(path).names)
-        wanted = [c for c in quality.COLUMNS if c in names]
-        missing = sorted(set(quality.COLUMNS) - names - {"completion_hash"})
+        wanted = [c for c in checks.COLUMNS if c in names]
+        missing = sorted(set(checks.COLUMNS) - names - {"completion_hash"})
         if missing:
             raise SystemExit(
                 f"validate: {path} lacks column(s) {missing} of the generated table "
@@ -177,8 +178,8 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
             table = table.append_column("completion_hash", _hash_completions(path))
         shard = int(path.stem.split("-")[1])
         table = table.append_column("shard", pa.array(np.full(len(table), shard, np.int32)))
-        tables.append(table.select([*quality.COLUMNS, "shard"]))
-    return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=quality.COLUMNS)
+        tables.append(table.select([*checks.COLUMNS, "shard"]))
+    return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=checks.COLUMNS)
 
 
 def _hash_completions(path: Path) -> Any:
@@ -191,22 +192,22 @@ def _hash_completions(path: Path) -> Any:
         offsets = lists.offsets.to_numpy()
         values = lists.values.to_numpy(zero_copy_only=False)
         for i in range(len(lists)):
-            hashes.append(quality.completion_hash(values[offsets[i] : offsets[i + 1]]))
+            hashes.append(checks.completion_hash(values[offsets[i] : offsets[i + 1]]))
     return pa.array(hashes, pa.string())
 
 
 def validate_metrics(
-    table: pd.DataFrame, results: list[quality.CheckResult], passed: bool
+    table: pd.DataFrame, results: list[checks.CheckResult], passed: bool
 ) -> dict[str, Any]:
     """Verdict and every observed statistic, flat enough for `dvc exp show`."""
-    answered = quality.answered_rows(table)
+    answered = checks.answered_rows(table)
     lengths = answered["num_completion_tokens"].to_numpy(dtype=np.float64)
     supervised = answered["loss_mask_sum"].to_numpy(dtype=np.float64)
     metrics: dict[str, Any] = {
         "passed": passed,
         "num_samples": len(table),
         "num_answered": len(answered),
-        "failed_checks": [r.name for r in quality.failures(results)],
+        "failed_checks": [r.name for r in checks.failures(results)],
         "checks": {r.name: {"observed": r.observed, "passed": r.passed} for r in results},
         "finish_reasons": {k: int(v) for k, v in table["finish_reason"].value_counts().items()},
         "completion_tokens_mean": _round(lengths.mean()) if len(lengths) else None,
@@ -222,7 +223,7 @@ def validate_metrics(
 
 def write_plots(folder: Path, table: pd.DataFrame) -> None:
     """Supervised-token histogram and completion-length distribution (CSV for `dvc plots`)."""
-    answered = quality.answered_rows(table)
+    answered = checks.answered_rows(table)
     supervised = answered["loss_mask_sum"].to_numpy(dtype=np.int64)
     edges = histogram_edges(int(supervised.max()) if len(supervised) else 0)
     counts, _ = np.histogram(supervised, bins=edges)

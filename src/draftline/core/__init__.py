@@ -1,0 +1,1 @@
+"""What decides the outputs' tokens: the target (loading, prompt ids) and the loss mask."""

@@ -1,0 +1,129 @@
+"""The target model: loading its tokenizer and weights, and rendering prompts to token ids.
+
+Prompts are rendered once, by the target tokenizer's own chat template with the generation
+prompt and the model profile's template kwargs (e.g. enable_thinking); every stage uses this.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+def model_ref(model: dict[str, Any]) -> str:
+    """Identity of the target as recorded with outputs: path plus revision when pinned."""
+    rev = model.get("revision")
+    return f"{model['path']}@{rev}" if rev else str(model["path"])
+
+
+def is_local(path: str) -> bool:
+    """Whether model.path names a folder here rather than a hub id (`org/name`): absolute or
+    ./~ paths, paths that exist, more than two parts, or a first part that is a folder here
+    (`models/tiny-target`)."""
+    p = Path(path).expanduser()
+    return (
+        path.startswith((".", "~", "/"))
+        or p.exists()
+        or len(p.parts) > 2
+        or Path(p.parts[0]).is_dir()
+    )
+
+
+def missing_model(model: dict[str, Any]) -> str | None:
+    """Why model.path cannot be loaded from this machine, with the fix; None when it can
+    (a hub id is left to the hub and its cache)."""
+    path = str(model["path"])
+    if not is_local(path):
+        return None
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return None
+    what = "does not exist" if not folder.exists() else "has no config.json"
+    return (
+        f"model.path {path} {what}: point it at a Hugging Face model folder or hub id "
+        f"(`draftline compose model={model.get('name')} model.path=/path/to/model` "
+        f"or path in conf/model/{model.get('name')}.yaml)"
+    )
+
+
+def require_model(model: dict[str, Any]) -> None:
+    """Exit with one line naming the fix when model.path is a missing local folder."""
+    if message := missing_model(model):
+        raise SystemExit(message)
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(path: str, revision: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, revision=revision)
+
+
+def load_tokenizer(model: dict[str, Any]) -> Any:
+    require_model(model)
+    return _load_tokenizer(str(model["path"]), model.get("revision"))
+
+
+def load_model(model: dict[str, Any], device: str = "cpu", dtype: str = "fp32") -> Any:
+    """The target as a frozen text-only causal LM, in `dtype`, on `device`.
+
+    `AutoModelForCausalLM` resolves a vision-language checkpoint such as Qwen3.6
+    (`Qwen3_5ForConditionalGeneration` on disk) to its text class (`Qwen3_5ForCausalLM`), which
+    skips the vision tower and the MTP head (`model.visual.*`, `mtp.*`) when loading. Weights are
+    read in `dtype` (never materialised in fp32 first) and, on an accelerator, placed on the
+    device directly instead of through a host copy.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    require_model(model)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"precision {dtype!r}: use one of {sorted(dtypes)}")
+    placement = {} if str(device) == "cpu" else {"device_map": str(device)}
+    lm = AutoModelForCausalLM.from_pretrained(
+        str(model["path"]), revision=model.get("revision"), dtype=dtypes[dtype], **placement
+    )
+    lm.requires_grad_(False)
+    return lm.to(device).eval()
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict) -> list[int]:
+    """Token ids of the rendered prompt (chat template + generation prompt), no extra specials."""
+    text = render_prompt(tokenizer, messages, template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def special_token_id(tokenizer: Any, token: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise ValueError(f"token {token!r} is not in the target tokenizer's vocabulary")
+    return int(tid)
+
+
+def generation_prompt_opens_think(tokenizer: Any, template_kwargs: dict, special: Any) -> bool:
+    """Whether the chat template opens `<think>` in the generation prompt (Qwen3.5/3.6 with
+    thinking on) rather than leaving it to the model (Qwen3). `special`: loss_mask.SpecialIds."""
+    from draftline.core.loss_mask import prompt_opens_think
+
+    probe = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs)
+    return prompt_opens_think(probe, special)
+
+
+def hybrid_kernels_missing() -> list[str]:
+    """The fast kernels of hybrid (Gated DeltaNet) layers that are not installed: without them
+    transformers runs those layers on a slow torch fallback (`pip install -e '.[hybrid]'`)."""
+    from transformers.utils import import_utils
+
+    wanted = {
+        "flash-linear-attention": import_utils.is_flash_linear_attention_available,
+        "causal-conv1d": import_utils.is_causal_conv1d_available,
+    }
+    return [name for name, available in wanted.items() if not available()]

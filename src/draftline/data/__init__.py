@@ -1,0 +1,1 @@
+"""Raw conversations to curated prompt shards."""

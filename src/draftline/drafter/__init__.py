@@ -1,0 +1,2 @@
+"""The DFlash drafter: model, objective, target features, extraction, training, export and
+evaluation."""

@@ -1,0 +1,564 @@
+"""Training loop of the DFlash drafter: data, optimisation, distribution, checkpoints, metrics.
+
+- Data: the packs of `data/extracted/` (docs/pipeline.md); sequences with fewer than 2B
+  supervised tokens are dropped. Offline packs carry the target features; online packs do not
+  and the frozen target computes them per micro-batch (`draftline.drafter.features`).
+- The global batch (`drafter.global_batch_size` sequences) is fixed; the hardware profile only
+  splits it: micro-batch x accumulation x world size. Each step's loss is the weighted CE summed
+  over the whole global batch divided by its total weight, so every split gives the same
+  gradient (up to float summation order). Anchors are seeded per sample and epoch.
+- AdamW, cosine schedule with linear warmup, gradient clipping; precision fp32 or bf16
+  (autocast, fp32 master weights) from the hardware profile; DDP through torchrun.
+- A checkpoint (model, optimiser, schedule, step) is written atomically every few steps; a
+  rerun resumes from it and ends where an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from tqdm import tqdm
+
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter.objective import (
+    MicroBatch,
+    block_loss,
+    collate,
+    keeps_sequence,
+    make_blocks,
+)
+from draftline.runtime import atomic, distributed
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+POSITION_PREFIX = "acc_pos/"  # history keys acc_pos/1 .. acc_pos/B-1: accuracy per position
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """What is trained: the `drafter` params (never hardware)."""
+
+    num_hidden_layers: int
+    block_size: int
+    gamma: float
+    max_anchors: int
+    global_batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_ratio: float
+    epochs: int
+    grad_clip: float
+    seed: int
+    # Attention/MLP shape; None derives it from the target (DFlashConfig.from_target).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+
+    @classmethod
+    def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
+        names = [n for n in cls.__dataclass_fields__ if n not in SHAPE_FIELDS]
+        missing = [n for n in names if n not in drafter]
+        if missing:
+            raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
+        values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
+        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
+        return cls(**values, **shape)
+
+    def shape(self) -> dict[str, int]:
+        """The shape fields that are set (the rest derive from the target)."""
+        return {n: getattr(self, n) for n in SHAPE_FIELDS if getattr(self, n) is not None}
+
+
+SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+_DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
+
+
+@dataclass
+class RunOptions:
+    """How it runs: device, precision and micro-batch from the hardware profile; files."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+    micro_batch_size: int = 4
+    checkpoint_path: Path | None = None
+    checkpoint_every: int = 50
+    live_dir: Path | None = None
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    drafter: DFlashDrafter
+    steps: int
+    history: list[dict[str, float]]
+    tokens: int  # over every run that led here (a resumed run adds to the checkpoint's)
+    seconds: float  # step time, likewise
+    num_sequences: int
+    dropped_sequences: int
+    world_size: int
+    resumed_from_step: int
+    tokens_this_run: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+class ExtractedData:
+    """Sequences of `data/extracted/`: token ids, loss masks, and offline features on demand."""
+
+    def __init__(self, folder: str | Path, block_size: int) -> None:
+        self.folder = Path(folder)
+        index_path = self.folder / "index.json"
+        if not index_path.exists():
+            raise SystemExit(f"{index_path} not found: run the extract stage (dvc repro extract)")
+        self.index = json.loads(index_path.read_text(encoding="utf-8"))
+        self.online = self.index["features"] == "online"
+        self.fingerprint = hashlib.sha256(index_path.read_bytes()).hexdigest()
+        self.items: list[tuple[str, str, int, int]] = []  # (sample id, pack, start, end)
+        self._tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dropped = 0
+        for shard in self.index["shards"]:
+            pack = str(self.folder / shard["file"])
+            with safe_open(pack, framework="pt") as f:
+                ids = json.loads((f.metadata() or {}).get("ids", "[]"))
+                input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+                offsets = f.get_tensor("offsets").tolist()
+            self._tokens[pack] = (input_ids, loss_mask)
+            if len(ids) != len(offsets) - 1:
+                raise SystemExit(f"{pack}: {len(ids)} ids for {len(offsets) - 1} sequences")
+            for i, sample_id in enumerate(ids):
+                start, end = offsets[i], offsets[i + 1]
+                if keeps_sequence(loss_mask[start:end], block_size):
+                    self.items.append((sample_id, pack, start, end))
+                else:
+                    self.dropped += 1
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def tokens(self, i: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        sample_id, pack, start, end = self.items[i]
+        input_ids, loss_mask = self._tokens[pack]
+        return sample_id, input_ids[start:end].long(), loss_mask[start:end].bool()
+
+    def features(self, i: int) -> torch.Tensor:
+        """[T, K*H] bf16 features of sequence i, read from disk (only that slice)."""
+        _, pack, start, end = self.items[i]
+        with safe_open(pack, framework="pt") as f:
+            return f.get_slice("features")[start:end]
+
+
+# ---------------------------------------------------------------------------------------------
+# Target pieces
+
+
+def target_config(model: dict[str, Any]) -> dict[str, Any]:
+    """The target's (text) config as a dict, from a local folder or the hub cache."""
+    path = Path(str(model["path"]))
+    if (path / "config.json").exists():
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model["path"]), revision=model.get("revision"))
+        config = config.to_dict()
+    return config.get("text_config") or config
+
+
+# Where the target's embedding sits: a causal LM's base model or a VL wrapper's language model.
+# Never `mtp.*` (the MTP head has its own) or `model.visual.*`.
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+HEAD_KEYS = ("lm_head.weight",)
+
+
+def load_target_head(model: dict[str, Any]) -> TargetHead:
+    """The target's embedding and lm_head only, read from its safetensors (tied if no head).
+
+    Only the shards that hold them are opened (`model.safetensors.index.json` names them), and
+    only those two tensors are read.
+    """
+    path = Path(str(model["path"]))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({path / weight_map[k] for k in (*EMBED_KEYS, *HEAD_KEYS) if k in weight_map})
+    embed = head = None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for key in EMBED_KEYS:
+                if key in keys:
+                    embed = f.get_tensor(key)
+            for key in HEAD_KEYS:
+                if key in keys:
+                    head = f.get_tensor(key)
+    if embed is None:
+        from draftline.core.target import load_model
+
+        return TargetHead.from_model(load_model(model))
+    return TargetHead(embed_weight=embed, lm_head_weight=embed if head is None else head)
+
+
+def mask_token_id(model: dict[str, Any]) -> int:
+    if model.get("mask_token_id") is not None:
+        return int(model["mask_token_id"])
+    from draftline.core.target import load_tokenizer, special_token_id
+
+    return special_token_id(load_tokenizer(model), str(model["mask_token"]))
+
+
+def build_drafter(
+    model: dict[str, Any], hp: Hyperparameters, head: TargetHead | None = None
+) -> DFlashDrafter:
+    """A freshly initialised drafter for the target, seeded by `drafter.seed`."""
+    config = DFlashConfig.from_target(
+        target_config(model),
+        num_hidden_layers=hp.num_hidden_layers,
+        block_size=hp.block_size,
+        mask_token_id=mask_token_id(model),
+        target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        **hp.shape(),
+    )
+    torch.manual_seed(hp.seed)
+    return DFlashDrafter(config, head if head is not None else load_target_head(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Distribution
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(device: str) -> World:
+    """Join the torchrun process group when launched by torchrun, else a world of one."""
+    distributed.init("nccl" if device.startswith("cuda") else "gloo")
+    return World(distributed.rank(), distributed.world_size(), distributed.local_rank())
+
+
+def all_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    if world.size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def split_global_batch(batch: list[int], world: World, micro: int) -> list[list[int]]:
+    """This process's micro-batches of one global batch (contiguous share of it)."""
+    share = len(batch) // world.size
+    mine = batch[world.rank * share : (world.rank + 1) * share]
+    return [mine[i : i + micro] for i in range(0, len(mine), micro)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule and checkpoints
+
+
+def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Any:
+    warmup = max(1, math.ceil(warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedData) -> str:
+    """What a checkpoint belongs to: a changed param or dataset never resumes a stale one."""
+    keys = {k: model.get(k) for k in ("path", "revision", "target_layer_ids", "mask_token_id")}
+    text = json.dumps({"model": keys, "hp": hp.__dict__, "data": data.fingerprint}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    with atomic.atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_checkpoint(path: Path | None, fingerprint: str) -> dict[str, Any] | None:
+    if path is None or not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("fingerprint") != fingerprint:
+        print(f"{path}: belongs to other params or data, starting afresh")
+        return None
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+class Metrics:
+    """dvclive on the main process (`Live(dir, dvcyaml=False)`: dvc.yaml declares the plots).
+
+    A resumed run rewrites the plots from the checkpoint's history: DVC deletes a stage's plots
+    before it reruns the stage, and rows logged after the checkpoint are redone anyway.
+    """
+
+    def __init__(
+        self, live_dir: Path | None, history: list[dict[str, float]], enabled: bool
+    ) -> None:
+        self.live = None
+        if live_dir is None or not enabled:
+            return
+        from dvclive import Live
+
+        self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False)
+        for step, record in enumerate(history):
+            self.log(step, record)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.live is None:
+            return
+        self.live.step = step
+        for name, value in values.items():
+            if not name.startswith(POSITION_PREFIX):  # charted from one table (stages/train.py)
+                self.live.log_metric(name, value)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.end()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def _autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+    if precision not in PRECISIONS:
+        raise SystemExit(f"hardware.precision={precision!r}: training supports fp32 or bf16")
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def train(
+    data_dir: str | Path,
+    model: dict[str, Any],
+    hp: Hyperparameters,
+    run: RunOptions,
+) -> TrainResult:
+    """Train a drafter on `data_dir` (resuming from `run.checkpoint_path` when it exists)."""
+    world = init_world(run.device)
+    device = distributed.device(run.device)
+    data = ExtractedData(data_dir, hp.block_size)
+    if hp.global_batch_size % world.size:
+        raise SystemExit(
+            f"drafter.global_batch_size={hp.global_batch_size} does not split over "
+            f"{world.size} processes: choose a multiple of the world size"
+        )
+    steps_per_epoch = len(data) // hp.global_batch_size
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"{len(data)} usable sequences (dropped {data.dropped} with < 2B supervised tokens) "
+            f"are fewer than drafter.global_batch_size={hp.global_batch_size}: lower it or add data"
+        )
+    total_steps = steps_per_epoch * hp.epochs
+
+    head = load_target_head(model).to(device)
+    drafter = build_drafter(model, hp, head).to(device)
+    layer_ids = list(drafter.config.target_layer_ids)
+    target_lm = None
+    if data.online:
+        from draftline.core.target import load_model
+
+        # In the run's precision, straight onto its device: frozen, never trained.
+        target_lm = load_model(model, device=str(device), dtype=run.precision)
+
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_with_warmup(total_steps, hp.warmup_ratio)
+    )
+    fingerprint = run_fingerprint(model, hp, data)
+    state = load_checkpoint(run.checkpoint_path, fingerprint)
+    start_step, history, tokens, seconds = 0, [], 0, 0.0
+    if state is not None:
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        start_step, history = int(state["step"]), list(state["history"])
+        tokens, seconds = int(state.get("tokens", 0)), float(state.get("seconds", 0.0))
+    trained = drafter
+    if world.size > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(
+            drafter, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    metrics = Metrics(run.live_dir, history, world.is_main)
+    bar = tqdm(
+        total=total_steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not (run.progress and world.is_main),
+    )
+    tokens_before = tokens
+    mask_id = drafter.config.mask_token_id
+    try:
+        for step in range(start_step, total_steps):
+            began = time.perf_counter()
+            epoch, index = divmod(step, steps_per_epoch)
+            order = torch.randperm(
+                len(data), generator=torch.Generator().manual_seed(hp.seed * 1_000_003 + epoch)
+            ).tolist()
+            batch = order[index * hp.global_batch_size : (index + 1) * hp.global_batch_size]
+            shares = split_global_batch(batch, world, run.micro_batch_size)
+            micro = []
+            for share in shares:
+                blocks = []
+                for i in share:
+                    sample_id, ids, loss_mask = data.tokens(i)
+                    blocks.append(
+                        make_blocks(
+                            sample_id,
+                            ids,
+                            loss_mask,
+                            block_size=hp.block_size,
+                            gamma=hp.gamma,
+                            max_anchors=hp.max_anchors,
+                            mask_token_id=mask_id,
+                            seed=hp.seed,
+                            epoch=epoch,
+                        )
+                    )
+                micro.append((share, collate(blocks, mask_id)))
+            # The normaliser is the weight of the whole global batch, known before any forward.
+            total_weight = all_sum(
+                torch.tensor(sum(float(mb.weights.sum()) for _, mb in micro), device=device), world
+            )
+            sums = torch.zeros(3 + 2 * hp.block_size, dtype=torch.float64, device=device)
+            for number, (share, mb) in enumerate(micro):
+                mb = mb.to(device)
+                features = _features(data, share, mb, target_lm, layer_ids, device)
+                sync = number == len(micro) - 1 or world.size == 1
+                with (
+                    contextlib.nullcontext() if sync else trained.no_sync(),
+                    _autocast(device.type, run.precision),
+                ):
+                    hidden = trained(features, mb.block_ids, mb.anchors)
+                    parts = block_loss(hidden, head.lm_head_weight, mb.labels, mb.weights)
+                    # DDP averages gradients over processes; the sum is what we want.
+                    (parts.weighted_ce * world.size / total_weight).backward()
+                sums[0] += parts.weighted_ce.detach().double()
+                sums[1] += mb.num_tokens
+                sums[3 : 3 + hp.block_size] += parts.correct.double()
+                sums[3 + hp.block_size :] += parts.counted.double()
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), hp.grad_clip)
+            lr = schedule.get_last_lr()[0]
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            all_sum(sums, world)
+            seconds += time.perf_counter() - began
+            tokens += int(sums[1])
+            record = _step_record(sums, total_weight, hp.block_size, lr, float(grad_norm))
+            history.append(record)
+            metrics.log(step, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
+            done = step + 1
+            if run.checkpoint_path is not None and (
+                done % run.checkpoint_every == 0 or done == total_steps
+            ):
+                if world.is_main:
+                    save_checkpoint(
+                        run.checkpoint_path,
+                        {
+                            "fingerprint": fingerprint,
+                            "step": done,
+                            "model": drafter.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict(),
+                            "history": history,
+                            "tokens": tokens,
+                            "seconds": seconds,
+                        },
+                    )
+                if world.size > 1:
+                    dist.barrier()
+    finally:
+        bar.close()
+        metrics.close()
+    return TrainResult(
+        drafter=drafter,
+        steps=total_steps,
+        history=history,
+        tokens=tokens,
+        seconds=seconds,
+        tokens_this_run=tokens - tokens_before,
+        num_sequences=len(data),
+        dropped_sequences=data.dropped,
+        world_size=world.size,
+        resumed_from_step=start_step,
+        extra={"steps_per_epoch": steps_per_epoch, "online": data.online},
+    )
+
+
+def _features(
+    data: ExtractedData,
+    share: list[int],
+    mb: MicroBatch,
+    target_lm: Any,
+    layer_ids: list[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """[b, T, K*H] context features: read from the packs, or computed by the frozen target."""
+    if target_lm is not None:
+        from draftline.drafter.features import target_layer_states
+
+        states = target_layer_states(target_lm, mb.input_ids, layer_ids, mb.attention_mask)
+        # Rounded like offline features, so online and offline training see the same inputs.
+        return states.to(torch.bfloat16)
+    b, t = mb.input_ids.shape
+    width = len(layer_ids) * int(data.index["hidden_size"])
+    out = torch.zeros(b, t, width, dtype=torch.bfloat16)
+    for row, i in enumerate(share):
+        feats = data.features(i)
+        out[row, : feats.shape[0]] = feats
+    return out.to(device)
+
+
+def _step_record(
+    sums: torch.Tensor, total_weight: torch.Tensor, block: int, lr: float, grad_norm: float
+) -> dict[str, float]:
+    correct, counted = sums[3 : 3 + block], sums[3 + block :]
+    record = {
+        "loss": float(sums[0] / total_weight),
+        "acc": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
+        "lr": lr,
+        "grad_norm": grad_norm,
+    }
+    for k in range(1, block):
+        record[f"{POSITION_PREFIX}{k}"] = float(correct[k] / counted[k].clamp(min=1))
+    return record

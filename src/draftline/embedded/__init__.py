@@ -1,0 +1,1 @@
+"""Builders of the embedded default: the tiny targets and the bundled prompt set."""

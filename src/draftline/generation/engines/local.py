@@ -1,0 +1,109 @@
+"""The local engine: transformers `generate` in this process, batched, on CPU or GPU.
+
+Prompts are sorted by length before batching so left padding stays small; each batch's results
+are reported as soon as the batch finishes. Generation stops at the end-of-turn token only, so
+the completion is what the model wrote up to its own end of turn.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from draftline.core.continuation import continue_batch
+from draftline.core.loss_mask import cut_at_end_of_turn
+from draftline.generation.engines.base import OnResult, Request, Result, Sampling
+
+
+class LocalEngine:
+    name = "local"
+
+    def __init__(
+        self,
+        model: Any,
+        sampling: Sampling,
+        end_of_turn: int,
+        pad_token_id: int | None = None,
+        batch_size: int = 16,
+    ) -> None:
+        self.model = model
+        self.sampling = sampling
+        self.end_of_turn = end_of_turn
+        self.pad_token_id = end_of_turn if pad_token_id is None else pad_token_id
+        self.batch_size = max(1, int(batch_size))
+        self.calls = 0  # batches run, for tests and metrics
+
+    @classmethod
+    def from_config(
+        cls,
+        model_cfg: dict[str, Any],
+        sampling: Sampling,
+        tokenizer: Any,
+        end_of_turn: int,
+        hardware: dict[str, Any],
+    ) -> LocalEngine:
+        import torch
+
+        from draftline.core.target import load_model
+
+        if hardware.get("num_threads"):
+            torch.set_num_threads(int(hardware["num_threads"]))
+        device = str(hardware.get("device") or "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit(
+                f"hardware profile {hardware.get('name')!r} wants {device} but no GPU is visible: "
+                "use hardware=cpu (or hardware=auto)"
+            )
+        lm = load_model(model_cfg, device=device, dtype=str(hardware.get("precision") or "fp32"))
+        batch_size = int((hardware.get("local") or {}).get("batch_size") or 16)
+        return cls(lm, sampling, end_of_turn, tokenizer.pad_token_id, batch_size)
+
+    def identity(self) -> str:
+        import transformers
+
+        return f"local:transformers-{transformers.__version__}"
+
+    def generate(self, requests: Sequence[Request], on_result: OnResult) -> None:
+        ordered = sorted(requests, key=lambda r: (len(r.prompt_ids), r.id))
+        for start in range(0, len(ordered), self.batch_size):
+            batch = ordered[start : start + self.batch_size]
+            for result in self._generate_batch(batch):
+                on_result(result)
+
+    def close(self) -> None:
+        self.model = None
+
+    def _generate_batch(self, batch: Sequence[Request]) -> list[Result]:
+        import torch
+
+        self.calls += 1
+        s = self.sampling
+        sampling = None
+        if s.temperature > 0:
+            sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": max(s.top_k, 0)}
+            # Seeded by the batch's first id so a resumed shard samples the same way.
+            torch.manual_seed(s.seed ^ zlib.crc32(batch[0].id.encode()))
+        prompts = [r.prompt_ids for r in batch]
+        try:
+            new_tokens = continue_batch(
+                self.model,
+                prompts,
+                s.max_new_tokens,
+                [self.end_of_turn],
+                self.pad_token_id,
+                sampling,
+            )
+        except (RuntimeError, ValueError) as exc:  # e.g. out of memory: record, never drop
+            return [Result(id=r.id, error=f"local generate failed: {exc}") for r in batch]
+        results = []
+        for request, ids in zip(batch, new_tokens, strict=True):
+            completion, stopped = cut_at_end_of_turn(ids, self.end_of_turn)
+            results.append(
+                Result(
+                    id=request.id,
+                    completion_ids=completion,
+                    finish_reason="stop" if stopped else "length",
+                )
+            )
+        return results

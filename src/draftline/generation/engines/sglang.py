@@ -1,0 +1,278 @@
+"""The SGLang engine: an async client of SGLang's native `POST /generate` with token ids.
+
+Request (one sample each): `{"input_ids": [...], "sampling_params": {...}, "rid": "..."}`.
+Response: `{"output_ids": [...], "text": ..., "meta_info": {"finish_reason": {"type": "stop",
+"matched": <id>} | {"type": "length", "length": n} | {"type": "abort", "message": ...},
+"prompt_tokens", "completion_tokens", ...}}`. Readiness is `GET /health`.
+
+`max_in_flight` requests are kept open at all times (spread over the endpoints, least busy
+first) so the engines' schedulers stay full. Connection errors, timeouts, 429 and 5xx are
+retried with exponential backoff and jitter, on another endpoint when there is one; an endpoint
+that refused a connection is left out of the choice for `backoff_max_s` (a dead node would
+otherwise look least busy and draw every request). A sample that still fails becomes an `error`
+result. When no endpoint answers `/health` any more the
+run stops with `EngineUnavailable` (finished samples are already journaled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from draftline.core.loss_mask import cut_at_end_of_turn
+from draftline.generation.engines.base import EngineUnavailable, OnResult, Request, Result, Sampling
+
+ENDPOINTS_ENV = "DRAFTLINE_SGLANG_ENDPOINTS"
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    endpoints: tuple[str, ...]
+    max_in_flight: int = 256
+    request_timeout_s: float = 3600.0
+    max_retries: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    health_timeout_s: float = 5.0
+
+
+def resolve_endpoints(configured: Sequence[str] | str | None, host: str, port: int) -> list[str]:
+    """Endpoints from $DRAFTLINE_SGLANG_ENDPOINTS, else `generate.endpoints`, else the profile's
+    own server (`http://host:port`). Several URLs (comma-separated in the variable) spread the
+    load; one URL may be a single server or a router in front of many."""
+    raw: Sequence[str] | str | None = os.environ.get(ENDPOINTS_ENV) or configured
+    if isinstance(raw, str):
+        raw = [u for u in raw.split(",") if u.strip()]
+    urls = [u.strip().rstrip("/") for u in (raw or [])]
+    if not urls:
+        urls = [f"http://{host}:{port}"]
+    return [u if "://" in u else f"http://{u}" for u in urls]
+
+
+def sampling_params(sampling: Sampling, end_of_turn: int) -> dict[str, Any]:
+    """SGLang `sampling_params` for our sampling: stop at the end-of-turn token only."""
+    return {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "stop_token_ids": [end_of_turn],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+
+def parse_response(sample_id: str, body: dict[str, Any], end_of_turn: int) -> Result:
+    """A Result from one `/generate` answer; ids are kept exactly as returned, cut after EOT."""
+    meta = body.get("meta_info") or {}
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort" or "output_ids" not in body:
+        message = reason.get("message") if isinstance(reason, dict) else None
+        return Result(id=sample_id, error=f"server aborted the request: {message or body}")
+    ids, stopped = cut_at_end_of_turn(body["output_ids"], end_of_turn)
+    if not stopped and kind == "stop" and isinstance(reason, dict):
+        # Versions that trim the matched stop token from output_ids still name it in `matched`.
+        if reason.get("matched") == end_of_turn:
+            ids, stopped = [*ids, end_of_turn], True
+        else:
+            return Result(id=sample_id, completion_ids=ids, finish_reason="stop")
+    if stopped:
+        return Result(id=sample_id, completion_ids=ids, finish_reason="stop")
+    if kind == "length":
+        return Result(id=sample_id, completion_ids=ids, finish_reason="length")
+    return Result(id=sample_id, completion_ids=ids, error=f"unexpected finish_reason {reason!r}")
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, connection: bool, retry_after: float | None = None):
+        super().__init__(message)
+        self.connection = connection
+        self.retry_after = retry_after
+
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(self, settings: ClientSettings, sampling: Sampling, end_of_turn: int) -> None:
+        if not settings.endpoints:
+            raise ValueError("no SGLang endpoint given")
+        self.settings = settings
+        self.params = sampling_params(sampling, end_of_turn)
+        self.end_of_turn = end_of_turn
+        self.in_flight = dict.fromkeys(settings.endpoints, 0)
+        self.down_until = dict.fromkeys(settings.endpoints, 0.0)  # monotonic seconds
+        self.requests_sent = 0
+        self.retries = 0
+        self._rng = random.Random()
+
+    def identity(self) -> str:
+        return "sglang"
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, requests: Sequence[Request], on_result: OnResult) -> None:
+        if requests:
+            asyncio.run(self._run(list(requests), on_result))
+
+    async def _run(self, requests: list[Request], on_result: OnResult) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=s.request_timeout_s)
+        results: asyncio.Queue[Result | BaseException] = asyncio.Queue()
+        pending = iter(requests)
+
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+            async def worker() -> None:
+                for request in pending:  # shared iterator: each request taken exactly once
+                    try:
+                        results.put_nowait(await self._one(session, request))
+                    except Exception as exc:  # EngineUnavailable or a bug: stop the run
+                        results.put_nowait(exc)
+                        return
+
+            workers = [
+                asyncio.create_task(worker()) for _ in range(min(s.max_in_flight, len(requests)))
+            ]
+            try:
+                for _ in range(len(requests)):
+                    item = await results.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    on_result(item)  # may raise (guard abort): the finally cancels the rest
+            finally:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+
+    def _pick(self, avoid: str | None) -> str:
+        now = time.monotonic()
+        up = [e for e in self.in_flight if self.down_until[e] <= now] or list(self.in_flight)
+        choices = [e for e in up if e != avoid] or up
+        return min(choices, key=lambda e: (self.in_flight[e], self._rng.random()))
+
+    async def _one(self, session: aiohttp.ClientSession, request: Request) -> Result:
+        s = self.settings
+        failed: str | None = None
+        last: _Retryable | None = None
+        for attempt in range(s.max_retries + 1):
+            endpoint = self._pick(avoid=failed)
+            payload = orjson.dumps(
+                {
+                    "input_ids": request.prompt_ids,
+                    "sampling_params": self.params,
+                    "rid": f"{request.id}-{attempt}",
+                }
+            )
+            self.in_flight[endpoint] += 1
+            self.requests_sent += 1
+            try:
+                return await self._post(session, endpoint, request.id, payload)
+            except _Retryable as exc:
+                last, failed = exc, endpoint
+                if exc.connection:
+                    self.down_until[endpoint] = time.monotonic() + s.backoff_max_s
+            finally:
+                self.in_flight[endpoint] -= 1
+            if attempt < s.max_retries:
+                self.retries += 1
+                await asyncio.sleep(self._backoff(attempt, last.retry_after))
+        assert last is not None
+        if last.connection and not await self._any_healthy(session):
+            raise EngineUnavailable(
+                f"no SGLang endpoint answers any more ({', '.join(self.in_flight)}): {last}. "
+                "Finished samples are journaled; check `draftline serve status` and the server "
+                "log under logs/serve/, then rerun the stage to resume."
+            )
+        return Result(id=request.id, error=f"failed after {s.max_retries + 1} attempts: {last}")
+
+    async def _post(
+        self, session: aiohttp.ClientSession, endpoint: str, sample_id: str, payload: bytes
+    ) -> Result:
+        try:
+            async with session.post(
+                f"{endpoint}/generate",
+                data=payload,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                raw = await resp.read()
+                if resp.status == 200:
+                    body = orjson.loads(raw)
+                    if isinstance(body, list) and body:  # a batch answer; we send one sample
+                        body = body[0]
+                    if not isinstance(body, dict):
+                        raise _Retryable(
+                            f"malformed answer from {endpoint}: {raw[:300]!r}", connection=False
+                        )
+                    return parse_response(sample_id, body, self.end_of_turn)
+                detail = raw[:300].decode("utf-8", "replace")
+                if resp.status == 429 or resp.status >= 500:
+                    raise _Retryable(
+                        f"HTTP {resp.status} from {endpoint}: {detail}",
+                        connection=False,
+                        retry_after=_retry_after(resp.headers.get("Retry-After")),
+                    )
+                return Result(id=sample_id, error=f"HTTP {resp.status} from {endpoint}: {detail}")
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Retryable(f"{type(exc).__name__} on {endpoint}: {exc}", connection=True) from exc
+        except asyncio.TimeoutError as exc:
+            raise _Retryable(
+                f"no answer from {endpoint} within {self.settings.request_timeout_s:g}s",
+                connection=False,
+            ) from exc
+        except orjson.JSONDecodeError as exc:
+            raise _Retryable(f"malformed answer from {endpoint}: {exc}", connection=False) from exc
+        except aiohttp.ClientError as exc:  # e.g. a garbled status line: a sample, not the run
+            raise _Retryable(
+                f"{type(exc).__name__} from {endpoint}: {exc}", connection=False
+            ) from exc
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        s = self.settings
+        delay = min(s.backoff_max_s, s.backoff_base_s * 2**attempt)
+        delay = delay * (0.5 + self._rng.random() / 2)  # jitter: retries of a burst spread out
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, s.backoff_max_s))
+        return delay
+
+    async def _any_healthy(self, session: aiohttp.ClientSession) -> bool:
+        checks = [health(session, e, self.settings.health_timeout_s) for e in self.in_flight]
+        return any(await asyncio.gather(*checks))
+
+
+async def health(session: aiohttp.ClientSession, endpoint: str, timeout_s: float) -> bool:
+    try:
+        async with session.get(
+            f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+def reachable(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """The endpoints among `endpoints` whose `/health` answers 200 now."""
+
+    async def check() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            ok = await asyncio.gather(*(health(session, e, timeout_s) for e in endpoints))
+        return [e for e, good in zip(endpoints, ok, strict=True) if good]
+
+    return asyncio.run(check())
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None

@@ -1,0 +1,635 @@
+"""Time, storage and cost of a run on each hardware profile, before spending them.
+
+Pure arithmetic over dicts: composed params, hardware profiles and the stage metrics a run left
+behind (read by the caller). Every figure carries its source, so a reader can tell a measured
+throughput from an estimate and see which file or profile it came from.
+
+Units: tokens per second, seconds, decimal terabytes (1e12 bytes), US dollars.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from draftline.core.target import model_ref
+from draftline.runtime.params import identity as run_identity
+from draftline.runtime.run_log import generation_rate, number_at
+
+SCHEMA = "draftline.plan/1"
+DAY_S = 86_400.0
+TB = 1e12
+# bf16 features (docs/pipeline.md: feature_dtype bfloat16).
+FEATURE_DTYPE_BYTES = 2
+# Online token packs: input_ids int32 + loss_mask uint8 per token (offsets are negligible).
+TOKEN_PACK_BYTES_PER_TOKEN = 5
+DEFAULT_STORAGE_BUDGET_TB = 20.0
+DEFAULT_TIME_LIMIT_DAYS = 7.0
+STAGES = ("generate", "extract", "train_offline", "train_online")
+STAGE_WORDS = {
+    "generate": "generation",
+    "extract": "feature extraction",
+    "train_offline": "offline training",
+    "train_online": "online training",
+}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A number, where it comes from, and its kind: `input` (a command-line flag), `measured`
+    (stage metrics of a run), `estimate` (conf/), `derived` (computed from other figures) or
+    `unknown`. `low`/`high` bound an estimate given as a range."""
+
+    value: float | None
+    source: str
+    kind: str = "estimate"
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.kind == "measured"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The data-size inputs every profile shares."""
+
+    samples: Figure  # conversations generated (train + eval)
+    train_samples: Figure  # conversations extracted and trained on
+    prompt_tokens: Figure  # mean rendered prompt tokens per sample
+    completion_tokens: Figure  # mean completion tokens per sample
+    sequence_tokens: Figure  # mean training sequence: prompt + completion, capped at max_length
+    bytes_per_token: Figure  # offline feature bytes per token
+    max_length: int
+    epochs: int
+    block_size: int
+    features: str  # extract.features: offline or online
+
+
+def feature_bytes_per_token(model: dict[str, Any]) -> int:
+    """K target layers x hidden size x 2 bytes (bf16): 51,200 B for Qwen3.6-27B."""
+    return len(model["target_layer_ids"]) * int(model["hidden_size"]) * FEATURE_DTYPE_BYTES
+
+
+def _path(metrics: dict[str, Any], name: str) -> str:
+    """Where a stage's metrics were read from, for the sources printed with each figure."""
+    return (metrics.get("paths") or {}).get(name, f"metrics/{name}.json")
+
+
+IDENTITY = ("model", "data", "drafter")
+
+
+def _usable(metrics: dict[str, Any] | None, wanted: dict[str, Any]) -> bool:
+    """Measured figures apply only to the target, data and drafter they were measured on; a
+    file that does not record them (written by an older draftline) is not used."""
+    return isinstance(metrics, dict) and all(metrics.get(k) == wanted[k] for k in IDENTITY)
+
+
+def resolve_inputs(
+    params: dict[str, Any],
+    metrics: dict[str, Any],
+    samples: int | None = None,
+    completion_tokens: float | None = None,
+    prompt_tokens: float | None = None,
+) -> Inputs:
+    """Data size and lengths: explicit arguments, else measured statistics, else estimates.
+
+    `metrics` maps "curate", "validate", "extract", "train" to their parsed JSON and
+    "generate" to {file name: parsed JSON}, and "paths" to {name: file read}; any may be missing.
+    """
+    model, data, drafter = params["model"], params.get("data") or {}, params["drafter"]
+    estimate = data.get("estimate") or {}
+    data_name = data.get("name", "?")
+    wanted = run_identity(params)
+    curate = metrics.get("curate") if _usable(metrics.get("curate"), wanted) else None
+    validate = metrics.get("validate") if _usable(metrics.get("validate"), wanted) else None
+    generated = [m for m in (metrics.get("generate") or {}).values() if _usable(m, wanted)]
+    gen_samples = sum(number_at(m, "samples") or 0 for m in generated)
+    gen_tokens = sum(number_at(m, "output_tokens") or 0 for m in generated)
+    gen_prompt = sum(number_at(m, "prompt_tokens") or 0 for m in generated)
+
+    # Sample counts.
+    kept = number_at(curate, "rows_kept", "kept")
+    train = number_at(curate, "train_rows", "train")
+    evals = number_at(curate, "eval_rows", "eval")
+    if kept is None and train is not None and evals is not None:
+        kept = train + evals
+    if samples is not None:
+        n = Figure(float(samples), "--samples", kind="input")
+    elif kept is not None:
+        n = Figure(kept, f"{_path(metrics, 'curate')} rows_kept", kind="measured")
+    elif estimate.get("samples"):
+        n = Figure(float(estimate["samples"]), f"conf/data/{data_name}.yaml estimate.samples")
+    else:
+        raise SystemExit(
+            f"no sample count for data={data_name}: pass --samples N, run the curate stage "
+            f"(metrics/curate.json), or set estimate.samples in conf/data/{data_name}.yaml"
+        )
+    eval_fraction = float(data.get("eval_fraction") or 0.0)
+    if samples is None and train is not None:
+        n_train = Figure(train, f"{_path(metrics, 'curate')} train_rows", kind="measured")
+    else:
+        n_train = Figure(
+            round(n.value * (1 - eval_fraction)),
+            f"{n.source} x (1 - data.eval_fraction {eval_fraction:g})",
+            kind=n.kind,
+        )
+
+    # Mean lengths.
+    completion = _length(
+        completion_tokens,
+        "--completion-tokens",
+        [
+            (
+                number_at(validate, "completion_tokens_mean", "completion_tokens.mean"),
+                f"{_path(metrics, 'validate')} completion_tokens_mean",
+                "measured",
+            ),
+            (
+                gen_tokens / gen_samples if gen_samples and gen_tokens else None,
+                f"output_tokens / samples over {len(generated)} metrics/generate files",
+                "measured",
+            ),
+            (
+                estimate.get("completion_tokens"),
+                f"conf/data/{data_name}.yaml estimate.completion_tokens",
+                "estimate",
+            ),
+        ],
+        (
+            model.get("max_new_tokens"),
+            "upper bound: model.max_new_tokens (no estimate)",
+            "estimate",
+        ),
+    )
+    prompt = _length(
+        prompt_tokens,
+        "--prompt-tokens",
+        [
+            (
+                number_at(validate, "prompt_tokens_mean", "prompt_tokens.mean"),
+                f"{_path(metrics, 'validate')} prompt_tokens_mean",
+                "measured",
+            ),
+            (
+                number_at(curate, "prompt_tokens.mean", "prompt_tokens_mean"),
+                f"{_path(metrics, 'curate')} prompt_tokens.mean",
+                "measured",
+            ),
+            (
+                gen_prompt / gen_samples if gen_samples and gen_prompt else None,
+                f"prompt_tokens / samples over {len(generated)} metrics/generate files",
+                "measured",
+            ),
+            (
+                estimate.get("prompt_tokens"),
+                f"conf/data/{data_name}.yaml estimate.prompt_tokens",
+                "estimate",
+            ),
+        ],
+        (
+            data.get("max_prompt_tokens") or 0,
+            "upper bound: data.max_prompt_tokens (no estimate)",
+            "estimate",
+        ),
+    )
+    if n.value <= 0 or completion.value <= 0:
+        raise SystemExit(
+            f"nothing to plan: {n.value:,.0f} samples x {completion.value:,.0f} completion tokens; "
+            "pass --samples N and --completion-tokens T (both > 0)"
+        )
+    max_length = int((params.get("extract") or {}).get("max_length") or drafter["max_length"])
+    whole = prompt.value + completion.value
+    sequence = Figure(
+        min(whole, max_length),
+        f"prompt + completion ({whole:,.0f}), capped at extract.max_length {max_length:,}",
+        kind="derived",
+    )
+    extract = metrics.get("extract") if _usable(metrics.get("extract"), wanted) else None
+    measured_bpt = number_at(extract, "bytes_per_token")
+    if measured_bpt and (extract or {}).get("features", "offline") == "offline":
+        bpt = Figure(measured_bpt, f"{_path(metrics, 'extract')} bytes_per_token", kind="measured")
+    else:
+        k, h = len(model["target_layer_ids"]), int(model["hidden_size"])
+        bpt = Figure(float(feature_bytes_per_token(model)), f"K {k} x H {h:,} x 2 B (bf16)")
+    return Inputs(
+        samples=n,
+        train_samples=n_train,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        sequence_tokens=sequence,
+        bytes_per_token=bpt,
+        max_length=max_length,
+        epochs=int(drafter["epochs"]),
+        block_size=int(drafter["block_size"]),
+        features=str((params.get("extract") or {}).get("features", "offline")),
+    )
+
+
+def _length(
+    explicit: float | None,
+    flag: str,
+    candidates: list[tuple[Any, str, str]],
+    fallback: tuple[Any, str, str],
+) -> Figure:
+    if explicit is not None:
+        return Figure(float(explicit), flag, kind="input")
+    for value, source, kind in candidates:
+        if isinstance(value, (int, float)) and value > 0:
+            return Figure(float(value), source, kind=kind)
+    return Figure(float(fallback[0] or 0), fallback[1], kind=fallback[2])
+
+
+def _measured_on(metrics: dict[str, Any], default_profile: str | None) -> str | None:
+    return metrics.get("hardware_profile") or default_profile
+
+
+def profile_throughput(
+    name: str,
+    profile: dict[str, Any],
+    params: dict[str, Any],
+    metrics: dict[str, Any],
+) -> dict[str, Figure]:
+    """generate/extract/train tokens per second on one profile: measured there, else estimated.
+
+    Profile estimates are for `throughput.model` (the reference target); for another target they
+    are scaled by parameter count, a rough rule that the source says plainly.
+    """
+    model = params["model"]
+    wanted = run_identity(params)
+    run_profile = (params.get("hardware") or {}).get("name")
+    run_profile = None if run_profile == "auto" else run_profile
+    est = profile.get("throughput") or {}
+    ref_name = est.get("model")
+    ref_params = est.get("reference_parameters")
+    scale, scale_note = 1.0, ""
+    if ref_name and ref_name != model.get("name"):
+        if ref_params and model.get("num_parameters"):
+            scale = float(ref_params) / float(model["num_parameters"])
+            scale_note = f", scaled x{scale:.3g} by parameters from {ref_name}"
+        else:
+            scale = float("nan")
+    keys = {
+        "generate": ("generate_tok_s", "source"),
+        "extract": ("extract_tok_s", "extract_source"),
+        "train": ("train_tok_s", "train_source"),
+    }
+    out: dict[str, Figure] = {}
+    for stage, (key, source_key) in keys.items():
+        value = est.get(key)
+        where = f"conf/hardware/{name}.yaml throughput.{key}"
+        why = est.get(source_key) or "no source given"
+        if value is None or math.isnan(scale):
+            out[stage] = Figure(None, f"{where}: none ({why})", kind="unknown")
+            continue
+        rng = est.get(f"{key}_range") or [None, None]
+        out[stage] = Figure(
+            float(value) * scale,
+            f"{where}: {why}{scale_note}",
+            low=None if rng[0] is None else float(rng[0]) * scale,
+            high=None if rng[1] is None else float(rng[1]) * scale,
+        )
+
+    generated = {
+        f: m
+        for f, m in (metrics.get("generate") or {}).items()
+        if _usable(m, wanted) and _measured_on(m, run_profile) == name
+    }
+    rate = generation_rate(list(generated.values()))
+    if rate:
+        files = sorted(generated)
+        where = files[0] if len(files) == 1 else f"{len(files)} files: {files[0]} ... {files[-1]}"
+        out["generate"] = Figure(rate, f"{where} (on {name})", kind="measured")
+    for stage in ("extract", "train"):
+        m = metrics.get(stage)
+        if not _usable(m, wanted) or _measured_on(m, run_profile) != name:
+            continue
+        tok_s = number_at(m, "tokens_per_s")
+        if not tok_s:
+            continue
+        if stage == "train" and m.get("features") == "online":
+            out["train_online"] = Figure(
+                tok_s, f"{_path(metrics, stage)} tokens_per_s (online, on {name})", kind="measured"
+            )
+        else:
+            out[stage] = Figure(
+                tok_s, f"{_path(metrics, stage)} tokens_per_s (on {name})", kind="measured"
+            )
+    return out
+
+
+def _stage(tokens: float, rate: Figure, limit_days: float) -> dict[str, Any]:
+    if not rate.value:
+        return {
+            "seconds": None,
+            "days": None,
+            "range_days": None,
+            "over_limit": False,
+            "source": rate.source,
+        }
+    seconds = tokens / rate.value
+    range_days = None
+    if rate.low and rate.high:
+        range_days = [tokens / rate.high / DAY_S, tokens / rate.low / DAY_S]
+    return {
+        "seconds": seconds,
+        "days": seconds / DAY_S,
+        "range_days": range_days,
+        "over_limit": seconds / DAY_S > limit_days,
+        "source": rate.source,
+    }
+
+
+def _figure(f: Figure) -> dict[str, Any]:
+    return {k: v for k, v in asdict(f).items() if v is not None or k == "value"}
+
+
+def plan_profile(
+    name: str,
+    profile: dict[str, Any],
+    params: dict[str, Any],
+    inputs: Inputs,
+    metrics: dict[str, Any],
+    time_limit_days: float,
+) -> dict[str, Any]:
+    """Stage times, totals and costs of one profile."""
+    rates = profile_throughput(name, profile, params, metrics)
+    gen_tokens = inputs.samples.value * inputs.completion_tokens.value
+    seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
+    train_tokens = inputs.epochs * seq_tokens
+    online_rate = rates.get("train_online")
+    if online_rate is None:
+        # Online training runs the frozen target forward for every token it trains on.
+        tr, ex = rates["train"], rates["extract"]
+        value = 1 / (1 / tr.value + 1 / ex.value) if tr.value and ex.value else None
+        online_rate = Figure(
+            value,
+            f"1 / (1/train + 1/extract): training plus the target forward "
+            f"(train {tr.kind}, extract {ex.kind})",
+            kind="derived" if value else "unknown",
+        )
+    stages = {
+        "generate": _stage(gen_tokens, rates["generate"], time_limit_days),
+        "extract": _stage(seq_tokens, rates["extract"], time_limit_days),
+        "train_offline": _stage(train_tokens, rates["train"], time_limit_days),
+        "train_online": _stage(train_tokens, online_rate, time_limit_days),
+    }
+    price = float(profile.get("price_per_hour") or 0.0)
+    totals = {}
+    for mode, parts in (
+        ("offline", ("generate", "extract", "train_offline")),
+        ("online", ("generate", "train_online")),
+    ):
+        secs = [stages[p]["seconds"] for p in parts]
+        known = all(s is not None for s in secs)
+        seconds = sum(secs) if known else None
+        totals[mode] = {
+            "seconds": seconds,
+            "days": None if seconds is None else seconds / DAY_S,
+            "cost_usd": None if seconds is None else seconds / 3600 * price,
+            "missing": [p for p, s in zip(parts, secs, strict=True) if s is None],
+        }
+    return {
+        "name": name,
+        "price_per_hour": price,
+        "throughput": {
+            "generate_tok_s": _figure(rates["generate"]),
+            "extract_tok_s": _figure(rates["extract"]),
+            "train_tok_s": _figure(rates["train"]),
+            "train_online_tok_s": _figure(online_rate),
+        },
+        "stages": stages,
+        "total": totals,
+    }
+
+
+def build_plan(
+    params: dict[str, Any],
+    profiles: dict[str, dict[str, Any]],
+    metrics: dict[str, Any] | None = None,
+    *,
+    samples: int | None = None,
+    completion_tokens: float | None = None,
+    prompt_tokens: float | None = None,
+    storage_budget_tb: float = DEFAULT_STORAGE_BUDGET_TB,
+    time_limit_days: float = DEFAULT_TIME_LIMIT_DAYS,
+) -> dict[str, Any]:
+    """The whole plan as a JSON-able dict (schema `draftline.plan/1`, see docs/pipeline.md)."""
+    metrics = metrics or {}
+    inputs = resolve_inputs(params, metrics, samples, completion_tokens, prompt_tokens)
+    seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
+    feature_bytes = seq_tokens * inputs.bytes_per_token.value
+    storage = {
+        "feature_tokens": seq_tokens,
+        "offline_features_bytes": feature_bytes,
+        "offline_features_tb": feature_bytes / TB,
+        "online_token_packs_bytes": seq_tokens * TOKEN_PACK_BYTES_PER_TOKEN,
+        "budget_tb": storage_budget_tb,
+        "over_budget": feature_bytes / TB > storage_budget_tb,
+    }
+    planned = [
+        plan_profile(name, prof, params, inputs, metrics, time_limit_days)
+        for name, prof in profiles.items()
+    ]
+    flags = _flags(storage, planned, inputs, time_limit_days)
+    model = params["model"]
+    return {
+        "schema": SCHEMA,
+        "model": {
+            "name": model.get("name"),
+            "ref": model_ref(model),
+            "num_parameters": model.get("num_parameters"),
+            "target_layers": len(model["target_layer_ids"]),
+            "hidden_size": model["hidden_size"],
+        },
+        "drafter": {"name": params["drafter"].get("name"), "epochs": inputs.epochs},
+        "data": (params.get("data") or {}).get("name"),
+        "features": inputs.features,
+        "inputs": {
+            "samples": _figure(inputs.samples),
+            "train_samples": _figure(inputs.train_samples),
+            "prompt_tokens": _figure(inputs.prompt_tokens),
+            "completion_tokens": _figure(inputs.completion_tokens),
+            "sequence_tokens": _figure(inputs.sequence_tokens),
+            "bytes_per_token": _figure(inputs.bytes_per_token),
+            "max_length": inputs.max_length,
+        },
+        "limits": {"storage_budget_tb": storage_budget_tb, "time_limit_days": time_limit_days},
+        "storage": storage,
+        "profiles": {p["name"]: p for p in planned},
+        "flags": flags,
+        "recommendations": _recommendations(storage, planned, inputs, time_limit_days),
+        "notes": _other_run_notes(metrics, run_identity(params)),
+    }
+
+
+def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    named = {_path(metrics, k): metrics.get(k) for k in ("curate", "validate", "extract", "train")}
+    named.update(metrics.get("generate") or {})
+    notes = []
+    for name, m in named.items():
+        if not isinstance(m, dict) or _usable(m, wanted):
+            continue
+        if not any(m.get(k) for k in IDENTITY):
+            notes.append(
+                f"ignored {name}: it does not record the model, data and drafter it was "
+                "measured on (an older draftline wrote it); rerun its stage"
+            )
+            continue
+        recorded = " ".join(f"{k}={m.get(k) or '?'}" for k in IDENTITY)
+        planned = " ".join(f"{k}={wanted[k]}" for k in IDENTITY)
+        notes.append(f"ignored {name}: measured on {recorded}, not {planned}")
+    return notes
+
+
+def _flags(
+    storage: dict[str, Any], planned: list[dict[str, Any]], inputs: Inputs, limit: float
+) -> list[dict[str, Any]]:
+    flags = []
+    if storage["over_budget"]:
+        flags.append(
+            {
+                "kind": "storage",
+                "profile": None,
+                "stage": "extract",
+                "message": (
+                    f"offline features need {storage['offline_features_tb']:,.1f} TB "
+                    f"({inputs.train_samples.value:,.0f} samples x "
+                    f"{inputs.sequence_tokens.value:,.0f} tokens x "
+                    f"{inputs.bytes_per_token.value:,.0f} B), over the "
+                    f"{storage['budget_tb']:g} TB budget"
+                ),
+            }
+        )
+    for p in planned:
+        for stage in STAGES:
+            info = p["stages"][stage]
+            if info["over_limit"]:
+                flags.append(
+                    {
+                        "kind": "time",
+                        "profile": p["name"],
+                        "stage": stage,
+                        "message": (
+                            f"{p['name']}: {STAGE_WORDS[stage]} takes {info['days']:,.1f} days, "
+                            f"over the {limit:g}-day limit"
+                        ),
+                    }
+                )
+    return flags
+
+
+def _recommendations(
+    storage: dict[str, Any], planned: list[dict[str, Any]], inputs: Inputs, limit: float
+) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = []
+    budget_bytes = storage["budget_tb"] * TB
+    bpt = inputs.bytes_per_token.value
+    if storage["over_budget"]:
+        times = [
+            f"{p['name']} {p['stages']['train_online']['days']:,.1f} d online vs "
+            f"{p['stages']['extract']['days'] + p['stages']['train_offline']['days']:,.1f} d "
+            "extract + offline"
+            for p in planned
+            if all(p["stages"][k]["days"] is not None for k in STAGES[1:])
+        ]
+        recs.append(
+            {
+                "kind": "online_features",
+                "override": "extract.features=online",
+                "storage_bytes": storage["online_token_packs_bytes"],
+                "message": (
+                    "use online features (extract.features=online): token packs only, "
+                    f"{storage['online_token_packs_bytes'] / 1e9:,.1f} GB instead of "
+                    f"{storage['offline_features_tb']:,.1f} TB; the target runs during training"
+                    + (f" ({'; '.join(times)})" if times else "")
+                ),
+            }
+        )
+        fit_samples = math.floor(budget_bytes / (inputs.sequence_tokens.value * bpt))
+        share = fit_samples / inputs.train_samples.value
+        recs.append(
+            {
+                "kind": "subset",
+                "samples": fit_samples,
+                "share": share,
+                "message": (
+                    f"train offline on a subset: {fit_samples:,} samples ({share:.1%} of "
+                    f"{inputs.train_samples.value:,.0f}) fit {storage['budget_tb']:g} TB at "
+                    f"{inputs.sequence_tokens.value:,.0f} tokens each"
+                ),
+            }
+        )
+        fit_length = math.floor(budget_bytes / (inputs.train_samples.value * bpt))
+        kept = fit_length / inputs.sequence_tokens.value
+        # The prompt comes first: what is left of the budgeted length is supervised completion.
+        supervised = max(0, fit_length - round(inputs.prompt_tokens.value))
+        usable = supervised >= 2 * inputs.block_size  # shorter sequences are dropped in training
+        recs.append(
+            {
+                "kind": "max_length",
+                "override": f"extract.max_length={fit_length}",
+                "max_length": fit_length,
+                "kept_share": kept,
+                "completion_tokens_kept": supervised,
+                "usable": usable,
+                "message": (
+                    f"shorter max length: extract.max_length={fit_length:,} fits "
+                    f"{storage['budget_tb']:g} TB with all samples, but keeps only {kept:.0%} "
+                    f"of a mean {inputs.sequence_tokens.value:,.0f}-token sequence "
+                    f"(~{supervised:,} completion tokens after the prompt)"
+                    + (
+                        ""
+                        if usable
+                        else f": too short, training drops sequences under "
+                        f"2 x block_size = {2 * inputs.block_size} supervised tokens"
+                    )
+                ),
+            }
+        )
+    by_name = {p["name"]: p for p in planned}
+    for p in planned:
+        gen = p["stages"]["generate"]
+        if gen["over_limit"]:
+            faster = [
+                f"{q['name']} ({q['stages']['generate']['days']:,.1f} d)"
+                for q in planned
+                if q["stages"]["generate"]["days"] is not None
+                and q["stages"]["generate"]["days"] <= limit
+            ]
+            rate = by_name[p["name"]]["throughput"]["generate_tok_s"]["value"]
+            fit = math.floor(limit * DAY_S * rate / inputs.completion_tokens.value)
+            recs.append(
+                {
+                    "kind": "generate_time",
+                    "profile": p["name"],
+                    "samples": fit,
+                    "message": (
+                        f"{p['name']}: generation fits {limit:g} days for {fit:,} samples "
+                        f"({fit / inputs.samples.value:.0%}) at {rate:,.0f} tok/s"
+                        + (f"; or generate on {', '.join(faster)}" if faster else "")
+                    ),
+                }
+            )
+        for stage in ("train_offline", "train_online"):
+            info = p["stages"][stage]
+            if info["over_limit"]:
+                per_epoch = info["days"] / inputs.epochs
+                epochs = math.floor(limit / per_epoch)
+                recs.append(
+                    {
+                        "kind": "train_time",
+                        "profile": p["name"],
+                        "stage": stage,
+                        "epochs": epochs,
+                        "message": (
+                            f"{p['name']}: {STAGE_WORDS[stage]} is {per_epoch:,.1f} days "
+                            "per epoch; "
+                            f"{epochs} of {inputs.epochs} epochs fit {limit:g} days "
+                            "(drafter.epochs), or train on a subset"
+                        ),
+                    }
+                )
+    return recs

@@ -1,0 +1,1 @@
+"""The quality checks, the Great Expectations suite that runs them, and its Data Docs."""

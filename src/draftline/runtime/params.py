@@ -1,0 +1,104 @@
+"""The experiment's parameters: Hydra composition of conf/ into params.yaml, and reading it.
+
+`compose` writes exactly what DVC's Hydra integration writes on `dvc exp run` (resolved
+OmegaConf YAML), so both paths give the same file.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_NAME = "config"
+# First line of a params.yaml composed with overrides: `compose --check` and `doctor` recompose
+# with them. A YAML comment, so no stage (and no DVC param) ever sees it.
+HEADER = "# draftline compose"
+
+
+def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf") -> dict[str, Any]:
+    """Compose conf/config.yaml with Hydra overrides into a plain, resolved dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from draftline.runtime.resolvers import register
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(Path(config_dir).resolve()), version_base=None):
+        cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
+    OmegaConf.resolve(cfg)
+    data = OmegaConf.to_container(cfg)
+    assert isinstance(data, dict)
+    return data
+
+
+def identity(p: dict[str, Any]) -> dict[str, Any]:
+    """What a run computed on: stages record it in their metrics, and `draftline plan` uses
+    measured figures only for the same target (path@revision), data and drafter."""
+    from draftline.core.target import model_ref
+
+    return {
+        "model": model_ref(p["model"]),
+        "data": (p.get("data") or {}).get("name"),
+        "drafter": (p.get("drafter") or {}).get("name"),
+    }
+
+
+def to_yaml(data: dict[str, Any], overrides: list[str] | None = None) -> str:
+    """YAML of `data`; with overrides, headed by the command that composed it."""
+    from omegaconf import OmegaConf
+
+    text = OmegaConf.to_yaml(OmegaConf.create(data))
+    return f"{HEADER} {shlex.join(overrides)}\n{text}" if overrides else text
+
+
+def recorded_overrides(path: str | Path = "params.yaml") -> list[str]:
+    """The overrides `draftline compose` wrote `path` with ([] when none or no file)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    with p.open(encoding="utf-8") as f:
+        first = f.readline().rstrip("\n")
+    if first == HEADER or first.startswith(HEADER + " "):
+        return shlex.split(first[len(HEADER) :])
+    return []
+
+
+def is_current(
+    path: str | Path = "params.yaml",
+    config_dir: str | Path = "conf",
+    overrides: list[str] | None = None,
+) -> tuple[bool, list[str], dict[str, Any]]:
+    """Whether `path` equals conf/ composed with `overrides` (default: those it records).
+
+    Returns (current, the overrides used, the composition).
+    """
+    used = recorded_overrides(path) if overrides is None else list(overrides)
+    composed = compose(used, config_dir)
+    p = Path(path)
+    current = yaml.safe_load(p.read_text(encoding="utf-8")) if p.is_file() else None
+    return current == composed, used, composed
+
+
+def load(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Read params.yaml; a clear error names the fix when it is missing or inconsistent."""
+    p = Path(path)
+    if not p.exists():
+        raise SystemExit(f"{p} not found: run `draftline compose` in the repository root")
+    data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    data_cfg = data.get("data") or {}
+    if "num_shards" in data_cfg and data_cfg.get("shard_ids") != list(
+        range(int(data_cfg["num_shards"]))
+    ):
+        n = int(data_cfg["num_shards"])
+        raise SystemExit(
+            f"params.yaml: data.shard_ids must be [0..{n - 1}] for data.num_shards={n}; "
+            f"run `draftline compose data.num_shards={n}` or pass "
+            f"-S 'data.shard_ids=[{','.join(map(str, range(n)))}]' to dvc exp run"
+        )
+    return data

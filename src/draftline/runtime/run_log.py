@@ -1,0 +1,115 @@
+"""Where a stage run puts what it measured about itself, apart from its results.
+
+DVC metrics (`metrics/<stage>.json`) hold results that compare runs: counts, loss, accuracy,
+tau. They are identical when a stage reruns on the same inputs, so `dvc exp show` stays narrow
+and a rerun dirties no tracked file. Timings, hardware, world size and resume state differ on
+every run: the whole record goes to `logs/runs/` (git-ignored; `draftline salvage` copies it,
+`draftline plan` reads it), and tokens per second, the one figure worth comparing across
+hardware, to `metrics/throughput.json`, the only metrics file a rerun changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from draftline.runtime import atomic
+
+RUNS_DIR = Path("logs/runs")
+# What the run computed on (`draftline.runtime.params.identity`): kept with the results, so
+# `draftline plan` uses a file's figures only for the same target, data and drafter.
+IDENTITY_KEYS = ("model", "data", "drafter")
+THROUGHPUT_PATH = Path("metrics/throughput.json")
+
+
+def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """The result keys of a full stage record, in the order given, then its identity."""
+    return {k: record[k] for k in (*keys, *IDENTITY_KEYS) if k in record}
+
+
+def add_arguments(parser: argparse.ArgumentParser, stage: str, throughput: bool = False) -> None:
+    """--run-log (and --throughput for stages that measure tokens per second)."""
+    default = RUNS_DIR / f"{stage}.json"
+    parser.add_argument("--run-log", default=str(default), help=f"run record ({default})")
+    if throughput:
+        parser.add_argument(
+            "--throughput", default=str(THROUGHPUT_PATH), help=f"tokens/s ({THROUGHPUT_PATH})"
+        )
+
+
+def write(
+    args: argparse.Namespace,
+    stage: str,
+    record: dict[str, Any],
+    result_keys: Iterable[str],
+    tokens_per_s: float | None = None,
+) -> None:
+    """Results to --metrics, the full record to --run-log, tokens/s to --throughput."""
+    atomic.write_json(args.metrics, results(record, result_keys))
+    atomic.write_json(args.run_log, record)
+    if getattr(args, "throughput", None):
+        record_throughput(args.throughput, stage, tokens_per_s, record)
+
+
+def record_throughput(
+    path: str | Path, stage: str, tokens_per_s: float | None, record: dict[str, Any]
+) -> None:
+    """Set `stage`'s entry of the throughput file, keeping the other stages' entries. A run
+    that measured nothing (`tokens_per_s` None: every output reused) keeps the last figure."""
+    path = Path(path)
+    current: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            current = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            current = {}  # a torn or hand-edited file: start it again
+    if tokens_per_s is None and stage in current:
+        return
+    current[stage] = {
+        "tokens_per_s": None if tokens_per_s is None else round(float(tokens_per_s), 1),
+        "hardware": record.get("hardware_profile"),
+    }
+    atomic.write_json(path, dict(sorted(current.items())))
+
+
+def number_at(data: dict[str, Any] | None, *paths: str) -> float | None:
+    """The first numeric value at any of the dotted `paths` (e.g. "completion_tokens.mean")."""
+    for path in paths:
+        node: Any = data
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):
+            return float(node)
+    return None
+
+
+def generation_rate(shards: list[dict[str, Any]]) -> float | None:
+    """Whole-node output tok/s over the shards' wall time.
+
+    Shards run one after another against all of a node's engines, so wall times add up. This
+    run's own tokens and time (`generated_output_tokens` / `run_wall_s`) come first: a resumed
+    shard's earlier part may have run on another node. Then totals, then the shards' rates.
+    """
+    for tokens_key, wall_key in (
+        ("generated_output_tokens", "run_wall_s"),
+        ("output_tokens", "wall_s"),
+    ):
+        pairs = [(number_at(m, tokens_key), number_at(m, wall_key)) for m in shards]
+        if pairs and all(tok is not None and wall for tok, wall in pairs):
+            tokens, wall = sum(tok for tok, _ in pairs), sum(wall for _, wall in pairs)
+            if tokens:
+                return tokens / wall
+    weighted = [
+        (number_at(m, "output_tokens") or 0, number_at(m, "output_tok_s"))
+        for m in shards
+        if number_at(m, "output_tok_s")
+    ]
+    weight = sum(w for w, _ in weighted)
+    if weight:
+        return sum(w * r for w, r in weighted) / weight
+    rates = [r for _, r in weighted]
+    return sum(rates) / len(rates) if rates else None
