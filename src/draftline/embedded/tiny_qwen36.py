@@ -25,14 +25,12 @@ real model: `conf/model/qwen3_6_27b.yaml`.
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.embedded import sample_prompts, tiny_target
+from draftline.embedded import chat_templates, sample_prompts, tiny_target
 from draftline.embedded.sample_prompts import Message, Task
 from draftline.runtime import atomic
 
@@ -57,62 +55,12 @@ NOT_SPECIAL = {THINK, END_THINK}
 # is for the real target, which has no `<|MASK|>`.
 MASK_STAND_IN = AUDIO_START
 
-# Qwen3.5/3.6's chat template reduced to what the project uses (system, user, assistant, tool):
-# history assistant turns lose their reasoning unless preserve_thinking or after the last user
-# query; the generation prompt opens the think block (or pre-fills an empty one).
-CHAT_TEMPLATE = """\
-{%- set ns = namespace(last_query_index=messages|length - 1, found=false) -%}
-{%- for message in messages[::-1] -%}
-{%- set index = messages|length - 1 - loop.index0 -%}
-{%- if not ns.found and message.role == 'user' -%}
-{%- set ns.last_query_index = index -%}
-{%- set ns.found = true -%}
-{%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-{%- if message.role == 'system' or message.role == 'user' -%}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
-{%- elif message.role == 'assistant' -%}
-{%- set content = message.content -%}
-{%- set reasoning = '' -%}
-{%- if '</think>' in content -%}
-{%- set reasoning = content.split('</think>')[0].rstrip('\\n')
-    .split('<think>')[-1].lstrip('\\n') -%}
-{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
-{%- endif -%}
-{%- if (preserve_thinking is defined and preserve_thinking) or
-    loop.index0 > ns.last_query_index -%}
-{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n')
-    + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}
-{%- else -%}
-{{- '<|im_start|>assistant\\n' + content -}}
-{%- endif -%}
-{{- '<|im_end|>\\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
-{{- '<|im_start|>user' -}}
-{%- endif -%}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
-{{- '<|im_end|>\\n' -}}
-{%- endif -%}
-{%- else -%}
-{{- raise_exception('unknown role ' + message.role + ': use system, user, assistant or tool') -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if enable_thinking is defined and enable_thinking is false -%}
-{{- '<think>\\n\\n</think>\\n\\n' -}}
-{%- else -%}
-{{- '<think>\\n' -}}
-{%- endif -%}
-{%- endif -%}
-"""
+# The chat template (draftline.embedded.chat_templates.QWEN3_6).
+CHAT_TEMPLATE = chat_templates.QWEN3_6
 
 
 @dataclass(frozen=True)
-class BuildConfig:
+class BuildConfig(tiny_target.Optimizer):
     """Everything that decides the built files; recorded next to them as build_config.json."""
 
     seed: int = 0
@@ -143,9 +91,6 @@ class BuildConfig:
     vision_hidden_size: int = 32
     steps: int = 300
     batch_size: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
     # Model files are split like the hub's: text weights in one shard, vision + MTP in another.
     num_shards: int = 2
 
@@ -196,18 +141,11 @@ def encode_examples(
     reasoning; with thinking off the empty think block is in the prompt and the reply is the
     answer alone.
     """
-    from draftline.core.target import prompt_ids
 
-    rng = random.Random(seed)
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    out = []
-    for messages, task in examples:
-        thinking = rng.random() >= non_thinking_share
-        prompt = prompt_ids(tokenizer, messages, {"enable_thinking": thinking})
-        text = f"{task.reasoning}\n{END_THINK}\n\n{task.answer}" if thinking else task.answer
-        response = tokenizer(text, add_special_tokens=False)["input_ids"] + [im_end]
-        out.append(tiny_target.Example(prompt + response, len(prompt)))
-    return out
+    def reply(task: Task, thinking: bool) -> str:
+        return f"{task.reasoning}\n{END_THINK}\n\n{task.answer}" if thinking else task.answer
+
+    return tiny_target.encode_examples(tokenizer, examples, non_thinking_share, seed, reply)
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -345,12 +283,7 @@ def build(
     out_dir: str | Path, config: BuildConfig = BuildConfig(), progress: bool = True
 ) -> dict[str, Any]:
     """Build tokenizer and model into `out_dir` (atomically); return figures for the report."""
-    import torch
-
-    torch.set_num_threads(config.torch_threads)
-    torch.use_deterministic_algorithms(True)
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-
+    started = tiny_target.start_build(config.torch_threads)
     examples = sample_prompts.training_prompts(config.seed, config.num_conversations)
     tokenizer = build_tokenizer(tiny_target.corpus_texts(examples), config.vocab_size)
     encoded = encode_examples(tokenizer, examples, config.non_thinking_share, config.seed)
@@ -365,14 +298,4 @@ def build(
         tiny_target.drop_library_version(tmp)
         save_checkpoint(model, tmp, config)
         atomic.write_json(tmp / "build_config.json", asdict(config))
-    response_lengths = [len(e.input_ids) - e.num_prompt for e in encoded]
-    return {
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_size": len(tokenizer),
-        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-        "first_loss": losses[0],
-        "response_tokens_min": min(response_lengths),
-        "response_tokens_max": max(response_lengths),
-        "wall_s": time.perf_counter() - wall0,
-        "cpu_s": time.process_time() - cpu0,
-    }
+    return tiny_target.build_report(model, tokenizer, encoded, losses, started)

@@ -14,12 +14,12 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.embedded import sample_prompts
+from draftline.embedded import chat_templates, sample_prompts
 from draftline.embedded.sample_prompts import Message, Task
 from draftline.runtime import atomic
 
@@ -27,52 +27,23 @@ PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK, MASK = "<think>", "</think>", "<|MASK|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, THINK, END_THINK, MASK]  # ids 0..5, in this order
 
-# Qwen3's chat template, reduced to what the project uses (no tools): the history's assistant
-# turns lose their think block, turns after the last user turn keep it, and
-# enable_thinking=false pre-fills an empty think block after the generation prompt.
-CHAT_TEMPLATE = """\
-{%- set ns = namespace(last_query_index=messages|length - 1, found=false) -%}
-{%- for message in messages[::-1] -%}
-{%- set index = messages|length - 1 - loop.index0 -%}
-{%- if not ns.found and message.role == 'user' -%}
-{%- set ns.last_query_index = index -%}
-{%- set ns.found = true -%}
-{%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-{%- if message.role == 'system' or message.role == 'user' -%}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
-{%- elif message.role == 'assistant' -%}
-{%- set content = message.content -%}
-{%- set reasoning = '' -%}
-{%- if '</think>' in content -%}
-{%- set reasoning = content.split('</think>')[0].rstrip('\\n')
-    .split('<think>')[-1].lstrip('\\n') -%}
-{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
-{%- endif -%}
-{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) -%}
-{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n')
-    + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}
-{%- else -%}
-{{- '<|im_start|>assistant\\n' + content -}}
-{%- endif -%}
-{{- '<|im_end|>\\n' -}}
-{%- else -%}
-{{- raise_exception('unknown role ' + message.role + ': use system, user or assistant') -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if enable_thinking is defined and enable_thinking is false -%}
-{{- '<think>\\n\\n</think>\\n\\n' -}}
-{%- endif -%}
-{%- endif -%}
-"""
+# The chat template (draftline.embedded.chat_templates.QWEN3).
+CHAT_TEMPLATE = chat_templates.QWEN3
 
 
 @dataclass(frozen=True)
-class BuildConfig:
-    """Everything that decides the built files; recorded next to them as build_config.json."""
+class Optimizer:
+    """AdamW with warmup and cosine decay, as both embedded targets train."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class BuildConfig(Optimizer):
+    """Everything that decides the built files; recorded next to them as build_config.json
+    (sorted keys, so the field order of the classes does not matter)."""
 
     seed: int = 0
     torch_threads: int = 2
@@ -87,9 +58,6 @@ class BuildConfig:
     max_position_embeddings: int = 1024
     steps: int = 450
     batch_size: int = 24
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
 
 
 # --- tokenizer ------------------------------------------------------------------------------
@@ -146,14 +114,26 @@ class Example:
     num_prompt: int  # loss on input_ids[num_prompt:], the response
 
 
+def qwen3_reply(task: Task, thinking: bool) -> str:
+    return task.thinking_response() if thinking else task.answer
+
+
 def encode_examples(
     tokenizer: Any,
     examples: Sequence[tuple[list[Message], Task]],
     non_thinking_share: float,
     seed: int,
+    reply: Callable[[Task, bool], str] | None = None,
 ) -> list[Example]:
-    """Prompt ids exactly as generation renders them, then the response ids and <|im_end|>."""
+    """Prompt ids exactly as generation renders them, then the response ids and <|im_end|>.
+
+    `reply(task, thinking)` is the text the model writes after the prompt; by default, Qwen3's
+    (the whole think block with thinking on, the answer alone with it off).
+    """
     from draftline.core.target import prompt_ids
+
+    if reply is None:
+        reply = qwen3_reply
 
     rng = random.Random(seed)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
@@ -161,8 +141,9 @@ def encode_examples(
     for messages, task in examples:
         thinking = rng.random() >= non_thinking_share
         prompt = prompt_ids(tokenizer, messages, {"enable_thinking": thinking})
-        text = task.thinking_response() if thinking else task.answer
-        response = tokenizer(text, add_special_tokens=False)["input_ids"] + [im_end]
+        response = tokenizer(reply(task, thinking), add_special_tokens=False)["input_ids"] + [
+            im_end
+        ]
         out.append(Example(prompt + response, len(prompt)))
     return out
 
@@ -352,16 +333,42 @@ def drop_library_version(folder: Path) -> None:
             atomic.write_json(path, data)
 
 
+def start_build(torch_threads: int) -> tuple[float, float]:
+    """Fix the thread count and deterministic kernels (both decide the float rounding); return
+    the wall and CPU clocks the report measures from."""
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    torch.use_deterministic_algorithms(True)
+    return time.perf_counter(), time.process_time()
+
+
+def build_report(
+    model: Any,
+    tokenizer: Any,
+    encoded: list[Example],
+    losses: list[float],
+    started: tuple[float, float],
+) -> dict[str, Any]:
+    """What a build prints: size, loss, response lengths, time."""
+    response_lengths = [len(e.input_ids) - e.num_prompt for e in encoded]
+    return {
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "first_loss": losses[0],
+        "response_tokens_min": min(response_lengths),
+        "response_tokens_max": max(response_lengths),
+        "wall_s": time.perf_counter() - started[0],
+        "cpu_s": time.process_time() - started[1],
+    }
+
+
 def build(
     out_dir: str | Path, config: BuildConfig = BuildConfig(), progress: bool = True
 ) -> dict[str, Any]:
     """Build tokenizer and model into `out_dir` (atomically); return figures for the report."""
-    import torch
-
-    torch.set_num_threads(config.torch_threads)
-    torch.use_deterministic_algorithms(True)
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-
+    started = start_build(config.torch_threads)
     examples = sample_prompts.training_prompts(config.seed, config.num_conversations)
     tokenizer = build_tokenizer(corpus_texts(examples), config.vocab_size)
     encoded = encode_examples(tokenizer, examples, config.non_thinking_share, config.seed)
@@ -374,17 +381,7 @@ def build(
         model.save_pretrained(tmp)
         drop_library_version(tmp)
         atomic.write_json(tmp / "build_config.json", asdict(config))
-    response_lengths = [len(e.input_ids) - e.num_prompt for e in encoded]
-    return {
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_size": len(tokenizer),
-        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-        "first_loss": losses[0],
-        "response_tokens_min": min(response_lengths),
-        "response_tokens_max": max(response_lengths),
-        "wall_s": time.perf_counter() - wall0,
-        "cpu_s": time.process_time() - cpu0,
-    }
+    return build_report(model, tokenizer, encoded, losses, started)
 
 
 def load_tokenizer_uncached(path: str | Path) -> Any:
