@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from draftline.core.target import load_tokenizer
-from draftline.data.curation import CurateSettings, PromptTokenCounter, curate
+from draftline.data.curation import CurateSettings, curate
+from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.runtime import params as params_mod
 from draftline.runtime import run_log
 from draftline.runtime.atomic import write_json
