@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftline.ops import salvage
+from draftline.ops.salvage import checklist as salvage
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

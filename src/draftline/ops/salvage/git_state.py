@@ -1,0 +1,111 @@
+"""Committing and pushing what git must carry (dvc.lock, metrics, notes) and finding what is
+not committed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+from draftline.ops import node_snapshot
+from draftline.ops.salvage.finding import Finding
+from draftline.ops.salvage.remote_outputs import uncached_outputs
+
+# --- git -----------------------------------------------------------------------------------
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
+    return subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, check=False, env=env
+    )
+
+
+def git_changes(root: Path) -> list[str]:
+    done = _git(root, "status", "--porcelain", "--untracked-files=all")
+    return done.stdout.splitlines() if done.returncode == 0 else []
+
+
+def _bookkeeping(change: str, uncached: Iterable[str] = ()) -> bool:
+    """DVC's own files (the lock, `.dvc` pointers, the .gitignore files it maintains) and the
+    `cache: false` outputs of finished stages (metrics, plots), which git carries, not DVC."""
+    path = change[3:].strip().strip('"')
+    name = Path(path).name
+    if name in ("dvc.lock", ".gitignore") or name.endswith(".dvc"):
+        return True
+    return any(path == out or path.startswith(out.rstrip("/") + "/") for out in uncached)
+
+
+def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[Finding]:
+    note_path = str(notes.relative_to(root))
+    uncached = uncached_outputs(root)
+    kept = [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c, uncached)]
+    paths = sorted({note_path, *kept})
+    # -f for the notes: the copied logs keep their paths (logs/, .draftline/), which the
+    # repository's .gitignore ignores, and they must reach the next node all the same.
+    added = _git(root, "add", "-f", "--", note_path)
+    if added.returncode == 0 and kept:
+        added = _git(root, "add", "--", *kept)
+    if added.returncode != 0:
+        return [
+            Finding(
+                False,
+                f"git add failed: {added.stderr.strip()[:300]}",
+                "fix the repository (disk full? permissions?) and run again",
+            )
+        ]
+    done = _git(root, "commit", "-m", message, "--", *paths)
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip()[:300]
+        return [
+            Finding(
+                False,
+                f"git commit of dvc.lock and notes failed: {why}",
+                "set `git config user.name/user.email` or free disk space, run again",
+            )
+        ]
+    rev = _git(root, "rev-parse", "--short", "HEAD").stdout.strip()
+    findings = [Finding(True, f"committed {', '.join(paths)} as {rev}")]
+    if not push:
+        return findings + [
+            Finding(
+                False,
+                f"commit {rev} is only on this node (--no-push-git)",
+                "git push it before shutting down",
+            )
+        ]
+    remotes = _git(root, "remote").stdout.split()
+    if not remotes:
+        return findings + [
+            Finding(
+                False,
+                f"no git remote: commit {rev} is only on this node",
+                "`git remote add origin URL && git push -u origin HEAD`",
+            )
+        ]
+    has_upstream = _git(root, "rev-parse", "--abbrev-ref", "@{u}").returncode == 0
+    target = "origin" if "origin" in remotes else remotes[0]
+    pushed = _git(root, "push") if has_upstream else _git(root, "push", "-u", target, "HEAD")
+    if pushed.returncode != 0:
+        why = node_snapshot.redact_text(pushed.stderr.strip())[:300]
+        return findings + [
+            Finding(
+                False, f"git push failed: {why}", "push the commit by hand before shutting down"
+            )
+        ]
+    return findings + [Finding(True, f"git: {rev} pushed to {target}")]
+
+
+def uncommitted(root: Path) -> list[Finding]:
+    changes = git_changes(root)
+    if not changes:
+        return [Finding(True, "git: no uncommitted changes")]
+    shown = ", ".join(c[3:] for c in changes[:15]) + (" ..." if len(changes) > 15 else "")
+    return [
+        Finding(
+            False,
+            f"{len(changes)} uncommitted or untracked files, not saved: {shown}",
+            "commit and push what you need (scripts, configs, patches), or delete it",
+        )
+    ]
