@@ -17,14 +17,8 @@ import yaml
 from tiny_qwen3 import generated_row, random_rows, tiny_qwen3, write_shard
 
 from draftline.core.loss_mask import loss_mask
-from draftline.drafter.extraction import (
-    ExtractSettings,
-    extract,
-    length_batches,
-    load_pack,
-    plan_packs,
-    read_index,
-)
+from draftline.drafter.extraction import ExtractSettings, extract, length_batches, plan_packs
+from draftline.drafter.packs import load_pack, read_index
 
 pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)

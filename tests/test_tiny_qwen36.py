@@ -16,8 +16,8 @@ from fixture_checks import assert_rebuild_matches, assert_same_files
 
 from draftline.core.loss_mask import prompt_opens_think, special_ids
 from draftline.core.target import load_model, prompt_ids
+from draftline.drafter.build import load_target_head
 from draftline.drafter.features import decoder_layers, target_layer_states
-from draftline.drafter.training import load_target_head
 from draftline.embedded import sample_prompts, tiny_qwen36, tiny_target
 
 pytestmark = pytest.mark.float_kernels

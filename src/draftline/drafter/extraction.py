@@ -27,11 +27,11 @@ import torch
 
 from draftline.core.loss_mask import loss_mask
 from draftline.drafter.features import target_layer_states
+from draftline.drafter.packs import INDEX_NAME
 from draftline.runtime import distributed
 from draftline.runtime.atomic import write_json, write_safetensors
 
 FORMAT_VERSION = 1
-INDEX_NAME = "index.json"
 FEATURE_MODES = ("offline", "online")
 _LENGTH_COLUMNS = ["id", "num_prompt_tokens", "num_completion_tokens", "finish_reason"]
 
@@ -411,21 +411,3 @@ def write_index(out_dir: Path, plan: Plan, settings: ExtractSettings) -> dict[st
 
 
 # Reading, for training and tests.
-
-
-def read_index(folder: str | Path) -> dict[str, Any]:
-    """The index of a complete extraction folder; a clear error when it is incomplete."""
-    path = Path(folder) / INDEX_NAME
-    if not path.is_file():
-        raise SystemExit(f"{path} not found: the extraction is missing or incomplete; run extract")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def load_pack(path: str | Path) -> dict[str, Any]:
-    """All tensors of a pack plus its `ids` (list of sample ids)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        data: dict[str, Any] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        data["ids"] = json.loads((f.metadata() or {})["ids"])
-    return data

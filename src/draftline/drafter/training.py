@@ -26,61 +26,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from tqdm import tqdm
 
-from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter.build import Hyperparameters, build_drafter, load_target_head
+from draftline.drafter.dflash import DFlashDrafter
 from draftline.drafter.objective import (
     MicroBatch,
     block_loss,
     collate,
-    keeps_sequence,
     make_blocks,
 )
+from draftline.drafter.packs import ExtractedData
 from draftline.runtime import atomic, distributed
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 POSITION_PREFIX = "acc_pos/"  # history keys acc_pos/1 .. acc_pos/B-1: accuracy per position
-
-
-@dataclass(frozen=True)
-class Hyperparameters:
-    """What is trained: the `drafter` params (never hardware)."""
-
-    num_hidden_layers: int
-    block_size: int
-    gamma: float
-    max_anchors: int
-    global_batch_size: int
-    lr: float
-    weight_decay: float
-    warmup_ratio: float
-    epochs: int
-    grad_clip: float
-    seed: int
-    # Attention/MLP shape; None derives it from the target (DFlashConfig.from_target).
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-
-    @classmethod
-    def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
-        names = [n for n in cls.__dataclass_fields__ if n not in SHAPE_FIELDS]
-        missing = [n for n in names if n not in drafter]
-        if missing:
-            raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
-        values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
-        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
-        return cls(**values, **shape)
-
-    def shape(self) -> dict[str, int]:
-        """The shape fields that are set (the rest derive from the target)."""
-        return {n: getattr(self, n) for n in SHAPE_FIELDS if getattr(self, n) is not None}
-
-
-SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-_DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
 
 
 @dataclass
@@ -116,131 +76,6 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data
-
-
-class ExtractedData:
-    """Sequences of `data/extracted/`: token ids, loss masks, and offline features on demand."""
-
-    def __init__(self, folder: str | Path, block_size: int) -> None:
-        self.folder = Path(folder)
-        index_path = self.folder / "index.json"
-        if not index_path.exists():
-            raise SystemExit(f"{index_path} not found: run the extract stage (dvc repro extract)")
-        self.index = json.loads(index_path.read_text(encoding="utf-8"))
-        self.online = self.index["features"] == "online"
-        self.fingerprint = hashlib.sha256(index_path.read_bytes()).hexdigest()
-        self.items: list[tuple[str, str, int, int]] = []  # (sample id, pack, start, end)
-        self._tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.dropped = 0
-        for shard in self.index["shards"]:
-            pack = str(self.folder / shard["file"])
-            with safe_open(pack, framework="pt") as f:
-                ids = json.loads((f.metadata() or {}).get("ids", "[]"))
-                input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-                offsets = f.get_tensor("offsets").tolist()
-            self._tokens[pack] = (input_ids, loss_mask)
-            if len(ids) != len(offsets) - 1:
-                raise SystemExit(f"{pack}: {len(ids)} ids for {len(offsets) - 1} sequences")
-            for i, sample_id in enumerate(ids):
-                start, end = offsets[i], offsets[i + 1]
-                if keeps_sequence(loss_mask[start:end], block_size):
-                    self.items.append((sample_id, pack, start, end))
-                else:
-                    self.dropped += 1
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def tokens(self, i: int) -> tuple[str, torch.Tensor, torch.Tensor]:
-        sample_id, pack, start, end = self.items[i]
-        input_ids, loss_mask = self._tokens[pack]
-        return sample_id, input_ids[start:end].long(), loss_mask[start:end].bool()
-
-    def features(self, i: int) -> torch.Tensor:
-        """[T, K*H] bf16 features of sequence i, read from disk (only that slice)."""
-        _, pack, start, end = self.items[i]
-        with safe_open(pack, framework="pt") as f:
-            return f.get_slice("features")[start:end]
-
-
-# ---------------------------------------------------------------------------------------------
-# Target pieces
-
-
-def target_config(model: dict[str, Any]) -> dict[str, Any]:
-    """The target's (text) config as a dict, from a local folder or the hub cache."""
-    path = Path(str(model["path"]))
-    if (path / "config.json").exists():
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(model["path"]), revision=model.get("revision"))
-        config = config.to_dict()
-    return config.get("text_config") or config
-
-
-# Where the target's embedding sits: a causal LM's base model or a VL wrapper's language model.
-# Never `mtp.*` (the MTP head has its own) or `model.visual.*`.
-EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-HEAD_KEYS = ("lm_head.weight",)
-
-
-def load_target_head(model: dict[str, Any]) -> TargetHead:
-    """The target's embedding and lm_head only, read from its safetensors (tied if no head).
-
-    Only the shards that hold them are opened (`model.safetensors.index.json` names them), and
-    only those two tensors are read.
-    """
-    path = Path(str(model["path"]))
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({path / weight_map[k] for k in (*EMBED_KEYS, *HEAD_KEYS) if k in weight_map})
-    embed = head = None
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-            for key in EMBED_KEYS:
-                if key in keys:
-                    embed = f.get_tensor(key)
-            for key in HEAD_KEYS:
-                if key in keys:
-                    head = f.get_tensor(key)
-    if embed is None:
-        from draftline.core.target import load_model
-
-        return TargetHead.from_model(load_model(model))
-    return TargetHead(embed_weight=embed, lm_head_weight=embed if head is None else head)
-
-
-def mask_token_id(model: dict[str, Any]) -> int:
-    if model.get("mask_token_id") is not None:
-        return int(model["mask_token_id"])
-    from draftline.core.target import load_tokenizer, special_token_id
-
-    return special_token_id(load_tokenizer(model), str(model["mask_token"]))
-
-
-def build_drafter(
-    model: dict[str, Any], hp: Hyperparameters, head: TargetHead | None = None
-) -> DFlashDrafter:
-    """A freshly initialised drafter for the target, seeded by `drafter.seed`."""
-    config = DFlashConfig.from_target(
-        target_config(model),
-        num_hidden_layers=hp.num_hidden_layers,
-        block_size=hp.block_size,
-        mask_token_id=mask_token_id(model),
-        target_layer_ids=[int(i) for i in model["target_layer_ids"]],
-        **hp.shape(),
-    )
-    torch.manual_seed(hp.seed)
-    return DFlashDrafter(config, head if head is not None else load_target_head(model))
-
-
-# ---------------------------------------------------------------------------------------------
 # Distribution
 
 
@@ -259,12 +94,6 @@ def init_world(device: str) -> World:
     """Join the torchrun process group when launched by torchrun, else a world of one."""
     distributed.init("nccl" if device.startswith("cuda") else "gloo")
     return World(distributed.rank(), distributed.world_size(), distributed.local_rank())
-
-
-def all_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
-    if world.size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
 
 
 def split_global_batch(batch: list[int], world: World, micro: int) -> list[list[int]]:
@@ -454,8 +283,8 @@ def train(
                     )
                 micro.append((share, collate(blocks, mask_id)))
             # The normaliser is the weight of the whole global batch, known before any forward.
-            total_weight = all_sum(
-                torch.tensor(sum(float(mb.weights.sum()) for _, mb in micro), device=device), world
+            total_weight = distributed.all_sum_tensor(
+                torch.tensor(sum(float(mb.weights.sum()) for _, mb in micro), device=device)
             )
             sums = torch.zeros(3 + 2 * hp.block_size, dtype=torch.float64, device=device)
             for number, (share, mb) in enumerate(micro):
@@ -479,7 +308,7 @@ def train(
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            all_sum(sums, world)
+            distributed.all_sum_tensor(sums)
             seconds += time.perf_counter() - began
             tokens += int(sums[1])
             record = _step_record(sums, total_weight, hp.block_size, lr, float(grad_norm))

@@ -82,6 +82,13 @@ def all_sum(values: Sequence[float]) -> list[float]:
     return _reduce(values, dist.ReduceOp.SUM)
 
 
+def all_sum_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over every process, in place (on its own device); as is in one process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
 def all_max(value: float) -> float:
     return _reduce([value], dist.ReduceOp.MAX)[0]
 

@@ -53,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
     from draftline.core.continuation import greedy_continuations
     from draftline.core.target import load_model, load_tokenizer, special_token_id
+    from draftline.drafter.build import Hyperparameters, build_drafter
     from draftline.drafter.evaluation import evaluate_drafter
     from draftline.drafter.export import load_drafter
     from draftline.drafter.extraction import pack_features
-    from draftline.drafter.training import Hyperparameters, build_drafter
 
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])

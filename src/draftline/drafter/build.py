@@ -1,0 +1,129 @@
+"""A drafter for a target: its hyperparameters, its config derived from the target's, the
+target's embedding and lm_head (which the drafter shares, frozen), and the mask token id.
+
+Used by training and by evaluation (the untrained baseline), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """What is trained: the `drafter` params (never hardware)."""
+
+    num_hidden_layers: int
+    block_size: int
+    gamma: float
+    max_anchors: int
+    global_batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_ratio: float
+    epochs: int
+    grad_clip: float
+    seed: int
+    # Attention/MLP shape; None derives it from the target (DFlashConfig.from_target).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+
+    @classmethod
+    def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
+        names = [n for n in cls.__dataclass_fields__ if n not in SHAPE_FIELDS]
+        missing = [n for n in names if n not in drafter]
+        if missing:
+            raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
+        values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
+        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
+        return cls(**values, **shape)
+
+    def shape(self) -> dict[str, int]:
+        """The shape fields that are set (the rest derive from the target)."""
+        return {n: getattr(self, n) for n in SHAPE_FIELDS if getattr(self, n) is not None}
+
+
+SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+_DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
+
+
+def target_config(model: dict[str, Any]) -> dict[str, Any]:
+    """The target's (text) config as a dict, from a local folder or the hub cache."""
+    path = Path(str(model["path"]))
+    if (path / "config.json").exists():
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model["path"]), revision=model.get("revision"))
+        config = config.to_dict()
+    return config.get("text_config") or config
+
+
+# Where the target's embedding sits: a causal LM's base model or a VL wrapper's language model.
+# Never `mtp.*` (the MTP head has its own) or `model.visual.*`.
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+HEAD_KEYS = ("lm_head.weight",)
+
+
+def load_target_head(model: dict[str, Any]) -> TargetHead:
+    """The target's embedding and lm_head only, read from its safetensors (tied if no head).
+
+    Only the shards that hold them are opened (`model.safetensors.index.json` names them), and
+    only those two tensors are read.
+    """
+    path = Path(str(model["path"]))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({path / weight_map[k] for k in (*EMBED_KEYS, *HEAD_KEYS) if k in weight_map})
+    embed = head = None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for key in EMBED_KEYS:
+                if key in keys:
+                    embed = f.get_tensor(key)
+            for key in HEAD_KEYS:
+                if key in keys:
+                    head = f.get_tensor(key)
+    if embed is None:
+        from draftline.core.target import load_model
+
+        return TargetHead.from_model(load_model(model))
+    return TargetHead(embed_weight=embed, lm_head_weight=embed if head is None else head)
+
+
+def mask_token_id(model: dict[str, Any]) -> int:
+    if model.get("mask_token_id") is not None:
+        return int(model["mask_token_id"])
+    from draftline.core.target import load_tokenizer, special_token_id
+
+    return special_token_id(load_tokenizer(model), str(model["mask_token"]))
+
+
+def build_drafter(
+    model: dict[str, Any], hp: Hyperparameters, head: TargetHead | None = None
+) -> DFlashDrafter:
+    """A freshly initialised drafter for the target, seeded by `drafter.seed`."""
+    config = DFlashConfig.from_target(
+        target_config(model),
+        num_hidden_layers=hp.num_hidden_layers,
+        block_size=hp.block_size,
+        mask_token_id=mask_token_id(model),
+        target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        **hp.shape(),
+    )
+    torch.manual_seed(hp.seed)
+    return DFlashDrafter(config, head if head is not None else load_target_head(model))
