@@ -14,7 +14,7 @@ import pytest
 
 from draftline import cli
 from draftline.commands import plan as plan_cmd
-from draftline.ops import planning
+from draftline.ops import plan_figures, planning
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -97,7 +97,7 @@ def test_seed_generation_days_on_pro6000_and_b200(seed_plan):
 
 
 def test_seed_offline_features_are_about_140_tb(seed_params, seed_plan):
-    assert planning.feature_bytes_per_token(seed_params["model"]) == 51_200
+    assert plan_figures.feature_bytes_per_token(seed_params["model"]) == 51_200
     inputs = seed_plan["inputs"]
     assert inputs["bytes_per_token"]["value"] == 51_200
     assert inputs["sequence_tokens"]["value"] == 3_000
