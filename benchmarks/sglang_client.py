@@ -1,10 +1,10 @@
 """Benchmark: the SGLang client (draftline.generation.engines.sglang) against a stand-in
 answering at once.
 
-SGLang needs a GPU, so the server is the stand-in of the tests (tests/sglang_standin.py: SGLang's
-native `/generate` and `/health`), run as separate processes with no delay, so that the client's
-own cost is what is measured: requests/s it sustains with `--in-flight` requests open, and the
-CPU seconds of the client process (user + system, all its threads) per 1,000 output tokens. The
+SGLang needs a GPU, so the server is the stand-in of the tests (tests/helpers/sglang_standin.py:
+SGLang's native `/generate` and `/health`), run as separate processes with no delay, so that the
+client's own cost is what is measured: requests/s it sustains with `--in-flight` requests open, and
+the CPU seconds of the client process (user + system, all its threads) per 1,000 output tokens. The
 client runs in this process and the stand-ins in theirs; on a machine with at least 2 cores the
 client is pinned to one core and the stand-ins to the others (`--no-pin` to leave them free).
 
@@ -32,7 +32,7 @@ from draftline.generation.engines.base import Request, Result, Sampling
 from draftline.generation.engines.sglang import ClientSettings, SGLangEngine
 
 REPO = Path(__file__).resolve().parents[1]
-STANDIN = REPO / "tests" / "sglang_standin.py"
+STANDIN = REPO / "tests" / "helpers" / "sglang_standin.py"
 END_OF_TURN = 2
 THINK_START, THINK_END = 3, 4
 

@@ -2,8 +2,8 @@
 twin (`--model tiny_qwen36`, models/tiny-qwen36).
 
 Deterministic: the same software on the same kind of CPU writes byte-identical files (on another
-CPU the weights differ within float rounding; tests/fixture_checks.py). Prints the build time and
-the thinking-format rate on the bundled prompts.
+CPU the weights differ within float rounding; tests/helpers/fixture_checks.py). Prints the build
+time and the thinking-format rate on the bundled prompts.
 """
 
 from __future__ import annotations

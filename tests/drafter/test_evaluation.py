@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_qwen3 import END_OF_TURN, VOCAB, generated_row, tiny_qwen3, write_shard
+from helpers.tiny_qwen3 import END_OF_TURN, VOCAB, generated_row, tiny_qwen3, write_shard
 
 from draftline.core.continuation import greedy_continuations
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead

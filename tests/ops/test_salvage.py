@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
-from tiny_pipeline import base_env, clone_node, make_origin, run, salvage
+from helpers.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
+from helpers.tiny_pipeline import base_env, clone_node, make_origin, run, salvage
 
 HF_TOKEN = "hf_SalvageTestToken_9d8c7b6a"
 DB_PASSWORD = "pw-salvage-4711-private"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_qwen3 import VOCAB, tiny_qwen3
+from helpers.tiny_qwen3 import VOCAB, tiny_qwen3
 
 from draftline.drafter.features import target_layer_states
 

@@ -11,7 +11,7 @@ import pytest
 from draftline.cli import main
 from draftline.embedded import sample_prompts
 
-SAMPLE_FILE = Path(__file__).resolve().parents[1] / "data" / "sample" / sample_prompts.FILE_NAME
+SAMPLE_FILE = Path(__file__).resolve().parents[2] / "data" / "sample" / sample_prompts.FILE_NAME
 REJECT_REASONS = {
     "malformed_json", "unknown_format", "unknown_role", "empty_turn", "broken_alternation",
     "no_user_turn", "duplicate", "prompt_too_long",

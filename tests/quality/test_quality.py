@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 import yaml
-from generated_samples import (
+from helpers.generated_samples import (
     failed_requests,
     samples_frame,
     seed_pathology,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fixture_checks import assert_rebuild_matches, assert_same_files
+from helpers.fixture_checks import assert_rebuild_matches, assert_same_files
 
 from draftline.core.target import prompt_ids
 from draftline.embedded import sample_prompts, tiny_target

@@ -1,4 +1,4 @@
-"""The SGLang client against a stand-in server (tests/sglang_standin.py) in its own process.
+"""The SGLang client against a stand-in server (tests/helpers/sglang_standin.py) in its own process.
 
 SGLang needs a GPU and is not installed here; the stand-in speaks its native `/generate` and
 `/health` protocol faithfully (request: input_ids, sampling_params, rid; answer: output_ids,
@@ -12,8 +12,8 @@ import argparse
 import time
 
 import pytest
-from generate_helpers import StandIn, free_port
-from sglang_standin import build_parser, completion_for
+from helpers.generate_helpers import StandIn, free_port
+from helpers.sglang_standin import build_parser, completion_for
 
 from draftline.generation.engines.base import EngineUnavailable, Request, Result, Sampling
 from draftline.generation.engines.sglang import (

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from s3_server import S3Server
+from helpers.s3_server import S3Server
+from helpers.tiny_pipeline import base_env, clone_node, run, salvage
 from test_pipeline import copy_project, ran_stages
-from tiny_pipeline import base_env, clone_node, run, salvage
 
 SHARDS = [f"generate@{k}" for k in range(4)]
 # Outputs whose bytes do not depend on timing (reports/ hold GX run times): the ones an

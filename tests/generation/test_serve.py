@@ -3,12 +3,12 @@ lifecycle of the servers it starts.
 
 The command-line tests build the launch command from the committed profiles (conf/hardware) and
 check every flag. The lifecycle tests run the real CLI in subprocesses, with one substitution:
-SGLang needs a GPU and is not installed here, so `$DRAFTLINE_SGLANG_LAUNCHER` replaces
-`python -m sglang_router.launch_server` with a stand-in launcher executable. It starts an extra
-"engine" process in its process group (as the router does) and then becomes the SGLang stand-in
-(tests/sglang_standin.py: a real HTTP server speaking SGLang's `/generate` and `/health`, which
-accepts SGLang's flags and records the command line it got). Everything else is the code path of a
-real node: the process group, the pid file, the log under logs/serve/, the wait for `/health`.
+SGLang needs a GPU and is not installed here, so `$DRAFTLINE_SGLANG_LAUNCHER` replaces `python -m
+sglang_router.launch_server` with a stand-in launcher executable. It starts an extra "engine"
+process in its process group (as the router does) and then becomes the SGLang stand-in
+(tests/helpers/sglang_standin.py: a real HTTP server speaking SGLang's `/generate` and `/health`,
+which accepts SGLang's flags and records the command line it got). Everything else is the code path
+of a real node: the process group, the pid file, the log under logs/serve/, the wait for `/health`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from generate_helpers import (
+from helpers.generate_helpers import (
     STANDIN,
     StandIn,
     build_random_target,
@@ -41,7 +41,7 @@ from draftline.generation import sglang_server
 from draftline.generation.sglang_server import ServeError, server_command, server_url
 from draftline.runtime import hardware
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROFILES = hardware.load_profiles(REPO / "conf")
 TARGET = yaml.safe_load((REPO / "conf/model/qwen3_6_27b.yaml").read_text(encoding="utf-8"))
 STANDIN_IDS = ["--think-start", "3", "--think-end", "4", "--vocab-low", "10", "--vocab-high", "300"]

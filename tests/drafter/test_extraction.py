@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_qwen3 import generated_row, random_rows, tiny_qwen3, write_shard
+from helpers.tiny_qwen3 import generated_row, random_rows, tiny_qwen3, write_shard
 
 from draftline.core.loss_mask import loss_mask
 from draftline.drafter.extraction import ExtractSettings, extract, length_batches, plan_packs
@@ -158,11 +158,11 @@ KILLED_RUN = """
 import sys, time
 from pathlib import Path
 import safetensors.torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers_root!r}]
 import torch
 torch.set_num_threads(1)
 from test_extraction import settings
-from tiny_qwen3 import tiny_qwen3
+from helpers.tiny_qwen3 import tiny_qwen3
 from draftline.drafter.extraction import extract
 
 real_save = safetensors.torch.save_file
@@ -183,7 +183,12 @@ extract(shards, Path({out!r}), settings(), model_loader=lambda: tiny_qwen3(num_l
 
 def test_pack_killed_mid_write_is_redone_and_index_comes_last(offline_dir, shards, model, tmp_path):
     out = tmp_path / "out"
-    script = KILLED_RUN.format(tests=str(TESTS), shards=[str(s) for s in shards], out=str(out))
+    script = KILLED_RUN.format(
+        tests=str(TESTS),
+        helpers_root=str(TESTS.parent),
+        shards=[str(s) for s in shards],
+        out=str(out),
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from s3_server import S3Server, aws_env
+from helpers.s3_server import S3Server, aws_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARDS = 4
 
 PREPARE = """\

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fixture_checks import assert_rebuild_matches, assert_same_files
+from helpers.fixture_checks import assert_rebuild_matches, assert_same_files
 
 from draftline.core.loss_mask import prompt_opens_think, special_ids
 from draftline.core.target import load_model, prompt_ids
@@ -23,7 +23,7 @@ from draftline.embedded import sample_prompts, tiny_qwen36, tiny_target
 pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
 
-TWIN = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen36"
+TWIN = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen36"
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ _COUNTER: list[PromptTokenCounter] = []
 
 def _default_counter() -> PromptTokenCounter:
     if not _COUNTER:
-        path = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
+        path = Path(__file__).resolve().parents[2] / "models" / "tiny-target"
         _COUNTER.append(PromptTokenCounter(load_tokenizer({"path": str(path)}), THINKING, BUDGET))
     return _COUNTER[0]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from generate_helpers import build_random_target, conversations, make_workdir, run_generate
+from helpers.generate_helpers import build_random_target, conversations, make_workdir, run_generate
 
 from draftline.core import target
 from draftline.core.loss_mask import completion_stats, special_ids

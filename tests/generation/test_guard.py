@@ -1,12 +1,11 @@
 """The online quality guard of `generate` (draftline.generation.guard).
 
 Unit tests feed the guard rows built with the library's own completion statistics
-(`draftline.core.loss_mask.completion_stats`, `draftline.quality.checks.completion_hash`) under
-the project's real thresholds (conf/quality/default.yaml). The end-to-end test runs a generate
-stage in a subprocess against the SGLang stand-in (tests/sglang_standin.py, a real HTTP server
-in its own process speaking SGLang's `/generate` and `/health`; SGLang itself needs a GPU)
-answering empty completions, and checks that the shard stops early, says why, and keeps what it
-journaled.
+(`draftline.core.loss_mask.completion_stats`, `draftline.quality.checks.completion_hash`) under the
+project's real thresholds (conf/quality/default.yaml). The end-to-end test runs a generate stage in
+a subprocess against the SGLang stand-in (tests/helpers/sglang_standin.py, a real HTTP server in
+its own process speaking SGLang's `/generate` and `/health`; SGLang itself needs a GPU) answering
+empty completions, and checks that the shard stops early, says why, and keeps what it journaled.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from generate_helpers import (
+from helpers.generate_helpers import (
     QUALITY,
     StandIn,
     build_random_target,
@@ -33,7 +32,7 @@ from draftline.generation.guard import Guard, GuardAbort
 from draftline.generation.journal import Journal
 from draftline.quality.checks import completion_hash
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_QUALITY = yaml.safe_load((REPO / "conf/quality/default.yaml").read_text(encoding="utf-8"))
 SPECIAL = SpecialIds(end_of_turn=2, think_start=3, think_end=4)
 MAX_NEW = 2048

@@ -1,8 +1,8 @@
 """Resume after `kill -9`: the shard completes with exactly its curated ids, none twice, none
 lost, and samples finished before the kill are not generated again.
 
-The SGLang runs use the stand-in server (tests/sglang_standin.py, SGLang's `/generate` protocol)
-in its own process; its request log counts what was generated after the restart.
+The SGLang runs use the stand-in server (tests/helpers/sglang_standin.py, SGLang's `/generate`
+protocol) in its own process; its request log counts what was generated after the restart.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from generate_helpers import (
+from helpers.generate_helpers import (
     StandIn,
     build_random_target,
     make_workdir,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from dflash_data import generated_sequences, make_target, model_params, write_packs
+from helpers.dflash_data import generated_sequences, make_target, model_params, write_packs
 
 from draftline.drafter.training import Hyperparameters, RunOptions, train
 

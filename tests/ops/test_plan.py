@@ -23,7 +23,7 @@ SEED_RUN = {"model": "Qwen/Qwen3.6-27B@main", "data": "sharegpt", "drafter": "df
 TINY_RUN = {"model": "models/tiny-target", "data": "sample", "drafter": "dflash_tiny"}
 SEED_SIZES = {"samples": 914_000, "completion_tokens": 2_500, "prompt_tokens": 500}
 KINDS = {"input", "measured", "estimate", "derived", "unknown"}
-REPO_CONF = Path(__file__).resolve().parents[1] / "conf"
+REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 @pytest.fixture(scope="module")

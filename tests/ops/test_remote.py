@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
+from helpers.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
 from draftline.ops import remote
 

@@ -126,7 +126,7 @@ def write_params(
 ) -> None:
     import yaml
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "quality" / "default.yaml"
+    conf = Path(__file__).resolve().parents[2] / "conf" / "quality" / "default.yaml"
     quality_cfg = yaml.safe_load(conf.read_text()) | quality_overrides
     params = {
         "model": {

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from generated_samples import (
+from helpers.generated_samples import (
     samples_frame,
     seed_pathology,
     truncated,
@@ -194,7 +194,7 @@ def test_gx_and_pandas_measure_the_same(tmp_path):
     import yaml
 
     cfg = yaml.safe_load(
-        (Path(__file__).resolve().parents[1] / "conf/quality/default.yaml").read_text()
+        (Path(__file__).resolve().parents[2] / "conf/quality/default.yaml").read_text()
     )
     table = truncated(seed_pathology(samples_frame(300), share=0.5), share=0.1)
     table = table.drop(columns=["completion_ids"])
