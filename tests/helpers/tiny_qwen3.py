@@ -1,7 +1,7 @@
 """Test inputs for extraction and evaluation: a random tiny Qwen3 and generated shards.
 
 The model is a real transformers Qwen3ForCausalLM (random weights, fixed seed); the shards follow
-the generated-table schema of docs/pipeline.md exactly.
+the generated-table schema (`draftline.generation.shards.SCHEMA`).
 """
 
 from __future__ import annotations
@@ -16,26 +16,14 @@ import pyarrow.parquet as pq
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from draftline.generation.shards import SCHEMA
+from draftline.quality.checks import completion_hash
+
 VOCAB = 128
 END_OF_TURN = 2
 
-GENERATED_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("prompt_ids", pa.list_(pa.int32())),
-    ("completion_ids", pa.list_(pa.int32())),
-    ("num_prompt_tokens", pa.int32()),
-    ("num_completion_tokens", pa.int32()),
-    ("finish_reason", pa.string()),
-    ("error", pa.string()),
-    ("has_think_block", pa.bool_()),
-    ("think_tokens", pa.int32()),
-    ("answer_tokens", pa.int32()),
-    ("loss_mask_sum", pa.int32()),
-    ("completion_text", pa.string()),
-    ("engine", pa.string()),
-    ("model", pa.string()),
-    ("sampling", pa.string()),
-])  # fmt: skip
+# The library's own schema of generated shards (it once drifted from a copy kept here).
+GENERATED_SCHEMA = SCHEMA
 
 
 def tiny_qwen3(num_layers: int = 6, hidden: int = 32, seed: int = 0) -> Qwen3ForCausalLM:
@@ -67,6 +55,7 @@ def generated_row(
         "think_tokens": 0,
         "answer_tokens": max(0, len(completion) - 1),
         "loss_mask_sum": len(completion),
+        "completion_hash": completion_hash(completion),
         "completion_text": "",
         "engine": "local",
         "model": "tiny",
