@@ -95,6 +95,50 @@ def resolve_profile(hardware: dict[str, Any], config_dir: str | Path = "conf") -
     }
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How a stage executes on this node: the fields of a resolved profile that stages read,
+    typed, with the defaults of a CPU (the rest of the profile is for servers and planning)."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    precision: str = "fp32"
+    num_threads: int | None = None  # torch intra-op threads; None lets torch decide
+    processes_per_node: int = 1
+    micro_batch_size: int = 1  # training sequences per device and step
+    local_batch_size: int = 16  # prompts per generate() batch of the local engine
+    extract_tokens_per_batch: int = 4096  # tokens per target forward when extracting features
+
+    @classmethod
+    def of(cls, profile: dict[str, Any]) -> Execution:
+        def number(key: str, default: int) -> int:
+            value = profile.get(key)
+            return default if value is None else int(value)
+
+        threads = profile.get("num_threads")
+        return cls(
+            name=str(profile.get("name") or "cpu"),
+            device=str(profile.get("device") or "cpu"),
+            precision=str(profile.get("precision") or "fp32"),
+            num_threads=None if threads is None else int(threads),
+            processes_per_node=number("processes_per_node", 1),
+            micro_batch_size=number("micro_batch_size", 1),
+            local_batch_size=int((profile.get("local") or {}).get("batch_size") or 16),
+            extract_tokens_per_batch=number("extract_tokens_per_batch", 4096),
+        )
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def set_threads(self) -> None:
+        """Apply num_threads to torch (nothing when the profile leaves it to torch)."""
+        if self.num_threads:
+            import torch
+
+            torch.set_num_threads(self.num_threads)
+
+
 def describe(profile: dict[str, Any]) -> dict[str, Any]:
     """The few facts about the profile a stage records in its metrics."""
     return {

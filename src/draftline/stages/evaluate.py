@@ -60,21 +60,21 @@ def run(args: argparse.Namespace) -> int:
 
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
-    if profile.get("num_threads"):
-        torch.set_num_threads(int(profile["num_threads"]))
-    device = torch.device("cuda" if str(profile.get("device", "cpu")).startswith("cuda") else "cpu")
+    execution = hardware.Execution.of(profile)
+    execution.set_threads()
+    device = torch.device("cuda" if execution.on_gpu else "cpu")
     model_cfg, ev = p["model"], p["evaluate"]
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"evaluate: no drafter in {args.drafter}: run `dvc repro train`")
 
     prompts = held_out_prompts(Path(args.eval), int(ev["max_prompts"]))
-    target = load_model(model_cfg, device=str(device), dtype=str(profile.get("precision", "fp32")))
+    target = load_model(model_cfg, device=str(device), dtype=execution.precision)
     eot = special_token_id(load_tokenizer(model_cfg), str(model_cfg["end_of_turn_token"]))
-    batch = int((profile.get("local") or {}).get("batch_size") or 16)
+    batch = execution.local_batch_size
     continuations = greedy_continuations(target, prompts, int(ev["max_new_tokens"]), eot, batch)
     sequences = [(pr + c, len(pr)) for pr, c in zip(prompts, continuations, strict=True)]
     layer_ids = [int(i) for i in model_cfg["target_layer_ids"]]
-    tokens_per_batch = int(profile.get("extract_tokens_per_batch") or 4096)
+    tokens_per_batch = execution.extract_tokens_per_batch
     feats, _ = pack_features(target, [s for s, _ in sequences], layer_ids, tokens_per_batch, device)
     features = list(feats.split([len(s) for s, _ in sequences]))  # bf16, as training sees them
 

@@ -58,34 +58,32 @@ def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
         model_ref=model_ref(p["model"]),
         hidden_size=int(p["model"]["hidden_size"]),
         pack_tokens=int(p["extract"]["pack_tokens"]),
-        tokens_per_batch=int(profile["extract_tokens_per_batch"]),
+        tokens_per_batch=hardware.Execution.of(profile).extract_tokens_per_batch,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
+    execution = hardware.Execution.of(profile)
     require_passed_verdict(Path(args.verdict))
     if p["extract"]["features"] == "offline":
         relaunched = distributed.run_in_local_processes(
-            int(profile.get("processes_per_node") or 1),
+            execution.processes_per_node,
             ["draftline", "extract", *_forwarded(args)],
         )
         if relaunched is not None:
             return relaunched
     # Online extraction only copies token ids: one process does it at disk speed.
 
-    import torch
-
     from draftline.core.target import load_model
     from draftline.drafter.extraction import extract
 
-    if profile.get("num_threads"):
-        torch.set_num_threads(int(profile["num_threads"]))
+    execution.set_threads()
     distributed.init()
     try:
-        device = distributed.device(str(profile.get("device") or "cpu"))
-        precision = str(profile.get("precision") or "fp32")
+        device = distributed.device(execution.device)
+        precision = execution.precision
         result = extract(
             [Path(args.shards) / shard_file_name(k) for k in p["data"]["shard_ids"]],
             Path(args.out),

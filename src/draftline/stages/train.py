@@ -46,23 +46,21 @@ def run(args: argparse.Namespace) -> int:
     target.require_model(p["model"])  # before torchrun starts workers that would each fail
     profile = hardware.resolve_profile(p["hardware"])
     relaunched = distributed.run_in_local_processes(
-        int(profile.get("processes_per_node") or 1), ["draftline", "train", *_forwarded(args)]
+        hardware.Execution.of(profile).processes_per_node, ["draftline", "train", *_forwarded(args)]
     )
     if relaunched is not None:
         return relaunched
 
-    import torch
-
     from draftline.drafter.export import export_drafter
     from draftline.drafter.training import Hyperparameters, RunOptions, train
 
-    if profile.get("num_threads"):
-        torch.set_num_threads(int(profile["num_threads"]))
+    execution = hardware.Execution.of(profile)
+    execution.set_threads()
     hp = Hyperparameters.from_params(p["drafter"])
     options = RunOptions(
-        device=str(profile.get("device") or "cpu"),
-        precision=str(profile.get("precision") or "fp32"),
-        micro_batch_size=int(profile.get("micro_batch_size") or 1),
+        device=execution.device,
+        precision=execution.precision,
+        micro_batch_size=execution.micro_batch_size,
         checkpoint_path=Path(args.checkpoint),
         checkpoint_every=args.checkpoint_every,
         live_dir=Path(args.live),

@@ -14,6 +14,7 @@ from typing import Any
 from draftline.core.continuation import continue_batch
 from draftline.core.loss_mask import cut_at_end_of_turn
 from draftline.generation.engines.base import OnResult, Request, Result, Sampling
+from draftline.runtime.hardware import Execution
 
 
 class LocalEngine:
@@ -47,17 +48,16 @@ class LocalEngine:
 
         from draftline.core.target import load_model
 
-        if hardware.get("num_threads"):
-            torch.set_num_threads(int(hardware["num_threads"]))
-        device = str(hardware.get("device") or "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
+        execution = Execution.of(hardware)
+        execution.set_threads()
+        device = execution.device
+        if execution.on_gpu and not torch.cuda.is_available():
             raise SystemExit(
                 f"hardware profile {hardware.get('name')!r} wants {device} but no GPU is visible: "
                 "use hardware=cpu (or hardware=auto)"
             )
-        lm = load_model(model_cfg, device=device, dtype=str(hardware.get("precision") or "fp32"))
-        batch_size = int((hardware.get("local") or {}).get("batch_size") or 16)
-        return cls(lm, sampling, end_of_turn, tokenizer.pad_token_id, batch_size)
+        lm = load_model(model_cfg, device=device, dtype=execution.precision)
+        return cls(lm, sampling, end_of_turn, tokenizer.pad_token_id, execution.local_batch_size)
 
     def identity(self) -> str:
         import transformers
