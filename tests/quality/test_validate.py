@@ -22,7 +22,7 @@ from helpers.generated_samples import (
     write_params,
 )
 
-from draftline.quality import checks, validation
+from draftline.quality import checks, shards, validation
 from draftline.stages import validate as stage
 
 NUM_SHARDS = 3
@@ -183,7 +183,7 @@ def test_curate_metrics_must_match_the_shards(workdir):
 
 def test_shards_without_completion_hash_are_hashed_from_their_ids(workdir, capsys):
     write_generated(workdir, samples_frame(300), NUM_SHARDS, with_hash=False)
-    table = stage.read_scalar_columns(stage.shard_paths(Path("data/generated/train"), [0, 1, 2]))
+    table = shards.read_scalar_columns(shards.shard_paths(Path("data/generated/train"), [0, 1, 2]))
     assert "no completion_hash column" in capsys.readouterr().err
     expected = samples_frame(300).set_index("id")["completion_hash"]
     assert (table.set_index("id")["completion_hash"] == expected.loc[table["id"]]).all()

@@ -4,10 +4,8 @@
                                  -> data/generated/train/shard-K.parquet
   draftline generate --eval      data/curated/eval.parquet -> data/generated/eval.parquet
 
-The engine comes from the hardware profile (`local` transformers, or `sglang` over HTTP).
-SGLang endpoints: $DRAFTLINE_SGLANG_ENDPOINTS (comma-separated URLs), else `generate.endpoints`,
-else the profile's own server; when none answers, `generate.autostart: true` starts it
-(`draftline serve start`), otherwise the stage stops and names the command to run.
+The engine comes from the hardware profile (`draftline.generation.engines.choose`: `local`
+transformers, or `sglang` over HTTP, started on demand with `generate.autostart: true`).
 A killed run resumes from `.draftline/journal/generate/`.
 """
 
@@ -17,12 +15,12 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 from draftline.core import target
 from draftline.core.loss_mask import special_ids
 from draftline.data.curation import shard_file_name
-from draftline.generation.engines.base import Engine, EngineUnavailable, Sampling
+from draftline.generation.engines.base import EngineUnavailable
+from draftline.generation.engines.choose import make_engine, sampling_from
 from draftline.generation.guard import Guard, GuardAbort
 from draftline.generation.shards import Identity, ShardFailed, ShardPaths, run_shard
 from draftline.quality.checks import thinking_enabled
@@ -55,76 +53,6 @@ def shard_paths(shard: int | None) -> ShardPaths:
         run_log=run_log.RUNS_DIR / f"generate/shard-{shard}.json",
         journal=JOURNAL_DIR / f"shard-{shard}.jsonl",
     )
-
-
-def sampling_from(gen: dict[str, Any]) -> Sampling:
-    return Sampling(
-        max_new_tokens=int(gen["max_new_tokens"]),
-        temperature=float(gen.get("temperature", 0.0)),
-        top_p=float(gen.get("top_p", 1.0)),
-        top_k=int(gen.get("top_k", -1)),
-        seed=int(gen.get("seed", 0)),
-    )
-
-
-def make_engine(
-    p: dict[str, Any],
-    profile: dict[str, Any],
-    sampling: Sampling,
-    tokenizer: Any,
-    end_of_turn: int,
-) -> Engine:
-    kind = profile.get("engine", "local")
-    if kind == "local":
-        from draftline.generation.engines.local import LocalEngine
-
-        return LocalEngine.from_config(p["model"], sampling, tokenizer, end_of_turn, profile)
-    if kind == "sglang":
-        return make_sglang_engine(p, profile, sampling, end_of_turn)
-    raise SystemExit(f"hardware.engine={kind!r} is not an engine: use local or sglang")
-
-
-def make_sglang_engine(
-    p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
-) -> Engine:
-    from draftline.generation import sglang_server
-    from draftline.generation.engines.sglang import (
-        ClientSettings,
-        SGLangEngine,
-        reachable,
-        resolve_endpoints,
-    )
-
-    gen = p.get("generate") or {}
-    sg = sglang_server.sglang_settings(profile)
-    endpoints = resolve_endpoints(
-        gen.get("endpoints"), str(sg.get("host") or "127.0.0.1"), int(sg.get("port") or 30000)
-    )
-    if not reachable(endpoints):
-        own = sglang_server.server_url(profile)
-        if gen.get("autostart") and endpoints == [own]:
-            print(f"no SGLang server at {own}: starting one (generate.autostart)")
-            try:
-                sglang_server.start(
-                    profile, p["model"], timeout_s=float(gen.get("serve_timeout_s", 1800))
-                )
-            except sglang_server.ServeError as exc:
-                raise SystemExit(f"generate: autostart failed: {exc}") from exc
-        else:
-            raise SystemExit(
-                f"generate: no SGLang server answers /health at {', '.join(endpoints)}. Start one "
-                f"with `draftline serve start` (hardware={profile.get('name')}), or set "
-                "generate.autostart=true, or point $DRAFTLINE_SGLANG_ENDPOINTS at running servers"
-            )
-    settings = ClientSettings(
-        endpoints=tuple(endpoints),
-        max_in_flight=int(sg.get("max_in_flight") or 256),
-        request_timeout_s=float(gen.get("request_timeout_s", 3600)),
-        max_retries=int(gen.get("max_retries", 5)),
-        backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
-        backoff_max_s=float(gen.get("backoff_max_s", 30)),
-    )
-    return SGLangEngine(settings, sampling, end_of_turn)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,89 @@
+"""What validate reads: the scalar columns of every generated train shard (never the token
+lists) and the row counts curate expected; a missing shard or column stops it, naming the fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from draftline.quality import checks
+
+
+def expected_rows(curate_summary: Path, shard_ids: list[int]) -> dict[int, int]:
+    """Curated train rows per shard, from curate's metrics; the shards must match params."""
+    if not curate_summary.is_file():
+        raise SystemExit(f"validate: {curate_summary} not found: run `dvc repro curate` first")
+    data = json.loads(curate_summary.read_text(encoding="utf-8"))
+    per_shard = {int(k): int(n) for k, n in (data.get("shard_rows") or {}).items()}
+    if sorted(per_shard) != shard_ids:
+        raise SystemExit(
+            f"validate: {curate_summary} has shards {sorted(per_shard)} but params.yaml has "
+            f"data.shard_ids={shard_ids}: run `dvc repro curate` with the current params"
+        )
+    return per_shard
+
+
+def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:
+    """Every expected shard file; exits naming the missing ones (never validates a partial set)."""
+    paths = [folder / f"shard-{k}.parquet" for k in shard_ids]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        names = ", ".join(p.name for p in missing)
+        stages = " ".join(
+            f"generate@{k}" for k, p in zip(shard_ids, paths, strict=True) if p in missing
+        )
+        raise SystemExit(
+            f"validate: {len(missing)} of {len(paths)} generated shards missing in {folder}: "
+            f"{names}. Run `dvc repro {stages}` (or `dvc repro --pull` to fetch them; never "
+            "`--allow-missing`, which would validate a partial folder)"
+        )
+    return paths
+
+
+def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataFrame:
+    """The scalar columns of checks.COLUMNS from every shard, plus `shard` (its index)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    tables = []
+    for path in tqdm(paths, desc="validate: read", unit="shard", disable=not progress):
+        names = set(pq.read_schema(path).names)
+        wanted = [c for c in checks.COLUMNS if c in names]
+        missing = sorted(set(checks.COLUMNS) - names - {"completion_hash"})
+        if missing:
+            raise SystemExit(
+                f"validate: {path} lacks column(s) {missing} of the generated table "
+                "(docs/pipeline.md): regenerate it with `dvc repro generate@<shard>`"
+            )
+        table = pq.read_table(path, columns=wanted)
+        if "completion_hash" not in names:
+            print(
+                f"validate: warning: {path} has no completion_hash column; hashing its "
+                "completion_ids (slow: regenerate the shard to add the column)",
+                file=sys.stderr,
+            )
+            table = table.append_column("completion_hash", _hash_completions(path))
+        shard = int(path.stem.split("-")[1])
+        table = table.append_column("shard", pa.array(np.full(len(table), shard, np.int32)))
+        tables.append(table.select([*checks.COLUMNS, "shard"]))
+    return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=checks.COLUMNS)
+
+
+def _hash_completions(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hashes: list[str] = []
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=["completion_ids"]):
+        lists = batch.column(0)
+        offsets = lists.offsets.to_numpy()
+        values = lists.values.to_numpy(zero_copy_only=False)
+        for i in range(len(lists)):
+            hashes.append(checks.completion_hash(values[offsets[i] : offsets[i + 1]]))
+    return pa.array(hashes, pa.string())
