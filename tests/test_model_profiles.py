@@ -35,6 +35,18 @@ def test_target_layers_follow_the_dflash_formula(name: str) -> None:
     assert p["hybrid"] == ("linear_attention" in p["layer_types_pattern"])
 
 
+@pytest.mark.parametrize("name", PROFILES)
+def test_serving_follows_the_architecture(name: str) -> None:
+    """Speculative decoding only with an MTP head to draft with; the hybrid scheduler flag
+    only for hybrid (Gated DeltaNet) layers; what is served is the model's, never hardware's."""
+    spec = profile(name)
+    serving = spec["serving"]
+    assert bool(serving.get("speculative")) == bool(spec["mtp"]), name
+    assert bool(serving.get("mamba_scheduler_strategy")) == bool(spec["hybrid"]), name
+    needs_v2 = bool(spec["hybrid"] and spec["mtp"])
+    assert ((serving.get("env") or {}).get("SGLANG_ENABLE_SPEC_V2") == "1") == needs_v2, name
+
+
 @pytest.mark.parametrize("name", sorted(EMBEDDED))
 def test_embedded_profiles_match_their_files(name: str, repo_root: Path) -> None:
     from transformers import AutoTokenizer

@@ -96,12 +96,13 @@ def test_pro6000x4_router_over_four_data_parallel_engines():
     assert f["--skip-tokenizer-init"] is True  # token ids in and out
 
 
-def test_b200x8_fp8_eight_engines_mtp_and_hierarchical_cache():
+def test_b200x8_eight_engines_serve_what_the_model_says():
     cmd = server_command(PROFILES["b200x8"], TARGET, python="python3")
     assert cmd[:3] == ["python3", "-m", "sglang_router.launch_server"]
     f = flags(cmd)
     assert f["--dp-size"] == "8" and f["--tp-size"] == "1"
-    assert f["--quantization"] == "fp8" and f["--kv-cache-dtype"] == "fp8_e4m3"
+    # bf16 as on pro6000x4: precision is the model's choice, not the node's (it was fp8 here).
+    assert "--quantization" not in f and "--kv-cache-dtype" not in f
     assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "16384"
     assert f["--max-running-requests"] == "512"
     assert f["--speculative-algorithm"] == "NEXTN"
@@ -110,6 +111,50 @@ def test_b200x8_fp8_eight_engines_mtp_and_hierarchical_cache():
     assert f["--host"] == "127.0.0.1"
     # Flags appear once each, values right after them.
     assert len([a for a in cmd if a.startswith("--")]) == len(f)
+
+
+# What is served: a choice of the model, the same on every hardware profile.
+WHAT_FLAGS = ("--quantization", "--kv-cache-dtype", "--speculative-algorithm",
+              "--speculative-num-steps", "--speculative-eagle-topk",
+              "--speculative-num-draft-tokens", "--mamba-scheduler-strategy",
+              "--reasoning-parser")  # fmt: skip
+MODELS = ("qwen3_6_27b", "qwen3_8b", "tiny", "tiny_qwen36")
+GPU_PROFILES = ("pro6000x4", "b200x8")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_serve_dry_run_for_every_model_and_gpu_profile(model, tmp_path, capsys):
+    """`draftline serve start --dry-run` for each model x profile: the hybrid flags and their
+    environment for a hybrid model with MTP, speculative decoding only for a target with an MTP
+    head, and the same served computation on every profile."""
+    from draftline import cli
+    from draftline.runtime import params
+
+    printed = {}
+    for profile in GPU_PROFILES:
+        path = tmp_path / f"{profile}.yaml"
+        composed = params.compose([f"model={model}", f"hardware={profile}"], REPO / "conf")
+        path.write_text(params.to_yaml(composed), encoding="utf-8")
+        assert cli.main(["serve", "start", "--dry-run", "--params", str(path)]) == 0
+        printed[profile] = shlex.split(capsys.readouterr().out.strip())
+    spec = yaml.safe_load((REPO / f"conf/model/{model}.yaml").read_text(encoding="utf-8"))
+    for profile, words in printed.items():
+        env = [w for w in words if "=" in w and not w.startswith("-")]
+        f = flags(words)
+        assert f["--dp-size"] == str(PROFILES[profile]["sglang"]["dp_size"])
+        assert ("--speculative-algorithm" in f) == bool(spec["mtp"]), (model, profile)
+        hybrid_mtp = bool(spec["hybrid"] and spec["mtp"])
+        assert (f.get("--mamba-scheduler-strategy") == "extra_buffer") == bool(spec["hybrid"])
+        assert ("SGLANG_ENABLE_SPEC_V2=1" in env) == hybrid_mtp, (model, profile, env)
+    what = {p: [(w, flags(ws).get(w)) for w in WHAT_FLAGS] for p, ws in printed.items()}
+    assert what["pro6000x4"] == what["b200x8"]
+
+
+def test_a_target_without_mtp_gets_no_speculative_decoding():
+    plain = yaml.safe_load((REPO / "conf/model/qwen3_8b.yaml").read_text(encoding="utf-8"))
+    f = flags(server_command(PROFILES["pro6000x4"], plain, python="py"))
+    assert "--speculative-algorithm" not in f and "--mamba-scheduler-strategy" not in f
+    assert sglang_server.server_env(PROFILES["pro6000x4"], plain) == {}
 
 
 def test_single_engine_profile_runs_sglang_directly_and_binds_loopback_by_default():
@@ -174,7 +219,8 @@ def test_cli_dry_run_prints_the_profile_command(tmp_path, name):
     rc, out = serve(root, "start", "--dry-run", "--hardware", name)
     assert rc == 0, out
     printed = shlex.split(out.strip())
-    assert printed == server_command(PROFILES[name], TARGET)
+    # The environment the model needs (MTP on a hybrid model), then the command.
+    assert printed == ["SGLANG_ENABLE_SPEC_V2=1", *server_command(PROFILES[name], TARGET)]
     assert not (root / "logs").exists()  # a dry run starts nothing
 
 

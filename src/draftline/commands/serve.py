@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         command = sglang_server.server_command(profile, p["model"], host=args.host, port=args.port)
         if args.dry_run:
-            print(shlex.join(command))
+            env = sglang_server.server_env(profile, p["model"])
+            print(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + command))
             return 0
         timeout = args.timeout or float((p.get("generate") or {}).get("serve_timeout_s", 1800))
         state = sglang_server.start(

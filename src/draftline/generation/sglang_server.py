@@ -1,4 +1,5 @@
-"""SGLang servers started from the hardware profile: command lines, start, stop, status.
+"""SGLang servers started from the hardware profile and the model's `serving` block: command
+lines, environment, start, stop, status.
 
 One server per port. `start` launches it in its own process group (so it outlives the shard
 stage that started it), logs to `logs/serve/sglang-<port>.log`, records a pid file under
@@ -103,17 +104,18 @@ def server_command(
     cmd += ["--tp-size", str(int(sg.get("tp_size") or 1))]
     if dp > 1:
         cmd += ["--dp-size", str(dp)]
-    if sg.get("quantization"):
-        cmd += ["--quantization", str(sg["quantization"])]
-    if sg.get("kv_cache_dtype") and sg["kv_cache_dtype"] != "auto":
-        cmd += ["--kv-cache-dtype", str(sg["kv_cache_dtype"])]
+    serving = model.get("serving") or {}
+    if serving.get("quantization"):
+        cmd += ["--quantization", str(serving["quantization"])]
+    if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
+        cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
     if sg.get("mem_fraction_static"):
         cmd += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
     if sg.get("context_length"):
         cmd += ["--context-length", str(int(sg["context_length"]))]
     if sg.get("max_running_requests"):
         cmd += ["--max-running-requests", str(int(sg["max_running_requests"]))]
-    spec = sg.get("speculative") or {}
+    spec = serving.get("speculative") or {}
     if spec.get("algorithm"):
         cmd += ["--speculative-algorithm", str(spec["algorithm"])]
         for key, flag in (
@@ -123,15 +125,30 @@ def server_command(
         ):
             if spec.get(key) is not None:
                 cmd += [flag, str(int(spec[key]))]
+    if model.get("hybrid") and serving.get("mamba_scheduler_strategy"):
+        cmd += ["--mamba-scheduler-strategy", str(serving["mamba_scheduler_strategy"])]
     if sg.get("hierarchical_cache"):
         cmd += ["--enable-hierarchical-cache"]
-    if sg.get("reasoning_parser"):
-        cmd += ["--reasoning-parser", str(sg["reasoning_parser"])]
+    if serving.get("reasoning_parser"):
+        cmd += ["--reasoning-parser", str(serving["reasoning_parser"])]
     # We send and receive token ids only: the server needs no tokenizer of its own.
     if sg.get("skip_tokenizer_init", True):
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:
+    """Environment the server needs beyond this process's: the node's (`sglang.env`), then the
+    model's (`serving.env`, e.g. SGLANG_ENABLE_SPEC_V2 for MTP on a hybrid model)."""
+    node = sglang_settings(profile).get("env") or {}
+    served = (model.get("serving") or {}).get("env") or {}
+    return {str(k): str(v) for k, v in {**node, **served}.items()}
+
+
+def serving_identity(model: dict[str, Any]) -> str:
+    """What the server computes, as recorded with every generated sample (sorted JSON)."""
+    return json.dumps(model.get("serving") or {}, sort_keys=True, separators=(",", ":"))
 
 
 def server_url(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> str:
@@ -242,6 +259,7 @@ def start(
     last lines of its log.
     """
     command = server_command(profile, model, host=host, port=port)
+    env = {**server_env(profile, model), **(env or {})}
     port = bind_port(profile, port)
     url = server_url(profile, host, port)
     for state in read_states(root):

@@ -80,4 +80,5 @@ def make_sglang_engine(
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
         backoff_max_s=float(gen.get("backoff_max_s", 30)),
     )
-    return SGLangEngine(settings, sampling, end_of_turn)
+    serving = sglang_server.serving_identity(p["model"])
+    return SGLangEngine(settings, sampling, end_of_turn, serving)

@@ -102,7 +102,9 @@ class _Retryable(Exception):
 class SGLangEngine:
     name = "sglang"
 
-    def __init__(self, settings: ClientSettings, sampling: Sampling, end_of_turn: int) -> None:
+    def __init__(
+        self, settings: ClientSettings, sampling: Sampling, end_of_turn: int, serving: str = ""
+    ) -> None:
         if not settings.endpoints:
             raise ValueError("no SGLang endpoint given")
         self.settings = settings
@@ -113,9 +115,12 @@ class SGLangEngine:
         self.requests_sent = 0
         self.retries = 0
         self._rng = random.Random()
+        self.serving = serving  # what the servers compute (the model's `serving` block)
 
     def identity(self) -> str:
-        return "sglang"
+        """Recorded with every sample: a change of served precision or speculative settings
+        is another engine, so a resumed shard never mixes the two."""
+        return f"sglang:{self.serving}" if self.serving else "sglang"
 
     def close(self) -> None:
         pass
