@@ -40,3 +40,21 @@ def test_a_run_that_measured_nothing_keeps_the_last_throughput(tmp_path: Path):
     }
     run_log.record_throughput(path, "generate", None, {"hardware_profile": "cpu"})
     assert json.loads(path.read_text())["generate"]["tokens_per_s"] is None  # first: recorded
+
+
+def test_a_run_log_that_measured_nothing_keeps_the_last_rate_of_the_same_run(tmp_path: Path):
+    """`draftline plan` reads rates from run logs: an extract rerun that reused every pack once
+    turned the measured extract rate into "unknown". The earlier rate stays, marked as such,
+    only for the same target, data, drafter and hardware."""
+    args = args_for(tmp_path)
+    same = {"model": "m", "data": "d", "drafter": "x", "hardware_profile": "cpu"}
+    run_log.write(args, "extract", {**same, "tokens_per_s": 500.0}, (), 500.0)
+    run_log.write(args, "extract", {**same, "tokens_per_s": None, "seconds": 0.3}, ())
+    kept = json.loads(Path(args.run_log).read_text())
+    assert kept["tokens_per_s"] == 500.0 and kept["tokens_per_s_from"] == "an earlier run"
+    assert kept["seconds"] == 0.3  # the rest of the record is this run's
+    run_log.write(args, "extract", {**same, "tokens_per_s": None}, ())
+    assert json.loads(Path(args.run_log).read_text())["tokens_per_s"] == 500.0
+    other = {**same, "model": "other"}
+    run_log.write(args, "extract", {**other, "tokens_per_s": None}, ())
+    assert json.loads(Path(args.run_log).read_text())["tokens_per_s"] is None

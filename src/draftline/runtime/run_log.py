@@ -50,9 +50,29 @@ def write(
 ) -> None:
     """Results to --metrics, the full record to --run-log, tokens/s to --throughput."""
     atomic.write_json(args.metrics, results(record, result_keys))
+    if tokens_per_s is None and "tokens_per_s" in record:
+        record = {**record, **_earlier_rate(args.run_log, record)}
     atomic.write_json(args.run_log, record)
     if getattr(args, "throughput", None):
         record_throughput(args.throughput, stage, tokens_per_s, record)
+
+
+def _earlier_rate(run_log: str | Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The rate the last run log measured, for a run that measured none (every output reused),
+    when it ran on the same target, data, drafter and hardware: `draftline plan` reads rates
+    from run logs, and a rerun that did no work must not make a measured stage unknown."""
+    try:
+        earlier = json.loads(Path(run_log).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    same = all(earlier.get(k) == record.get(k) for k in (*IDENTITY_KEYS, "hardware_profile"))
+    rate = number_at(earlier, "tokens_per_s")
+    if not same or rate is None:
+        return {}
+    return {
+        "tokens_per_s": rate,
+        "tokens_per_s_from": earlier.get("tokens_per_s_from", "an earlier run"),
+    }
 
 
 def record_throughput(
