@@ -105,6 +105,22 @@ def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_key_value_heads_repeated_for_the_cuda_kernels_give_the_same_attention():
+    """On CUDA the keys/values are repeated per query head (SDPA's fused kernels would reject
+    masked grouped-query attention); the math is unchanged, outputs and gradients included."""
+    feats, anchor_ids, anchors = inputs()
+    results = []
+    for expand in (False, True):
+        drafter = make_drafter().train()
+        drafter.expand_kv_heads = expand
+        x = feats.clone().requires_grad_(True)
+        hidden = drafter(x, drafter.block_input_ids(anchor_ids), anchors)
+        hidden.square().sum().backward()
+        results.append((hidden.detach(), x.grad, drafter.layers[0].self_attn.k_proj.weight.grad))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_draft_block_matches_the_batched_training_pass():
     drafter = make_drafter()
     feats, anchor_ids, anchors = inputs()

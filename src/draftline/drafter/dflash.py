@@ -13,12 +13,15 @@ inference is the same call with one block whose anchor is the context length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 # Queries per attention chunk in the block-wise attention: bounds the score matrix while
 # keeping the SDPA calls large enough to be efficient.
@@ -215,6 +218,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def context_span(chunk_anchors: torch.Tensor, context_len: int) -> int:
+    """How many context keys a chunk of blocks needs: up to its largest anchor.
+
+    Fake tensors (memory planning, `draftline.drafter.memory`) carry no values: the chunk then
+    takes the whole context, the worst case, so a planned peak is never below the real one.
+    """
+    if not chunk_anchors.numel():
+        return 0
+    if is_fake(chunk_anchors):
+        return context_len
+    return int(chunk_anchors.max().item())
+
+
 def block_prefix_attention(
     q: torch.Tensor,
     k_block: torch.Tensor,
@@ -224,6 +240,7 @@ def block_prefix_attention(
     anchors: torch.Tensor,
     scale: float,
     queries_per_chunk: int | None = None,
+    expand_kv_heads: bool | None = None,
 ) -> torch.Tensor:
     """Each block attends to context keys before its anchor and to its own block's keys.
 
@@ -232,9 +249,17 @@ def block_prefix_attention(
 
     Blocks go in chunks; a chunk's keys are the context up to its largest anchor plus the
     chunk's own block keys, so the cost grows with anchors x context, not (anchors x S)^2.
+
+    expand_kv_heads (default: on CUDA): repeat each key/value head for its query heads. On
+    CUDA, SDPA's flash kernel takes no mask and its memory-efficient kernel no grouped-query
+    heads, so masked grouped-query attention would fall back to the math kernel, which keeps
+    every chunk's fp32 probabilities for the backward (x2 of a production step's memory).
     """
     b, n, s, h, d = q.shape
     kvh = k_block.shape[3]
+    if expand_kv_heads is None:
+        expand_kv_heads = q.device.type == "cuda"
+    repeats = h // kvh if expand_kv_heads and h != kvh else 1
     blocks_per_chunk = max(1, (queries_per_chunk or QUERIES_PER_CHUNK) // s)
     positions = torch.arange(k_ctx.shape[1], device=q.device)
     outputs = []
@@ -242,7 +267,7 @@ def block_prefix_attention(
         end = min(n, start + blocks_per_chunk)
         g = end - start
         chunk_anchors = anchors[:, start:end]
-        span = int(chunk_anchors.max().item()) if chunk_anchors.numel() else 0
+        span = context_span(chunk_anchors, k_ctx.shape[1])
         queries = q[:, start:end].reshape(b, g * s, h, d).transpose(1, 2)
         keys = torch.cat([k_ctx[:, :span], k_block[:, start:end].reshape(b, g * s, kvh, d)], 1)
         values = torch.cat([v_ctx[:, :span], v_block[:, start:end].reshape(b, g * s, kvh, d)], 1)
@@ -253,13 +278,16 @@ def block_prefix_attention(
         block_of = torch.arange(g * s, device=q.device) // s
         sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
         mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
+        if repeats > 1:
+            keys = keys.repeat_interleave(repeats, dim=2)
+            values = values.repeat_interleave(repeats, dim=2)
         out = F.scaled_dot_product_attention(
             queries,
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=mask,
             scale=scale,
-            enable_gqa=h != kvh,
+            enable_gqa=keys.shape[2] != h,
         )
         outputs.append(out.transpose(1, 2).reshape(b, g, s, h, d))
     return torch.cat(outputs, dim=1)
@@ -323,7 +351,7 @@ class DFlashAttention(nn.Module):
         rope_block: tuple[torch.Tensor, torch.Tensor],
         rope_context: tuple[torch.Tensor, torch.Tensor],
         anchors: torch.Tensor,
-        implementation: str = "blockwise",
+        attend: Callable[..., torch.Tensor] = block_prefix_attention,
     ) -> torch.Tensor:
         """x: [b, N, S, H] block states; context: [b, T, H] fused context."""
         b, n, s, _ = x.shape
@@ -336,7 +364,6 @@ class DFlashAttention(nn.Module):
         q = apply_rope(q, *rope_block)
         k_block = apply_rope(k_block, *rope_block)
         k_ctx = apply_rope(k_ctx, *rope_context)
-        attend = ATTENTION_IMPLEMENTATIONS[implementation]
         out = attend(q, k_block, v_block, k_ctx, v_ctx, anchors, self.scaling)
         return self.o_proj(out.reshape(b, n, s, self.num_heads * self.head_dim))
 
@@ -372,10 +399,10 @@ class DFlashDecoderLayer(nn.Module):
         rope_block: tuple[torch.Tensor, torch.Tensor],
         rope_context: tuple[torch.Tensor, torch.Tensor],
         anchors: torch.Tensor,
-        implementation: str = "blockwise",
+        attend: Callable[..., torch.Tensor] = block_prefix_attention,
     ) -> torch.Tensor:
         x = x + self.self_attn(
-            self.input_layernorm(x), context, rope_block, rope_context, anchors, implementation
+            self.input_layernorm(x), context, rope_block, rope_context, anchors, attend
         )
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -399,6 +426,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # "blockwise" (default) or "dense": the same math, used to check and benchmark.
         self.attention_implementation = "blockwise"
+        # Key/value heads repeated for the query heads: None is on CUDA only (see
+        # `block_prefix_attention`); memory planning sets it to measure a GPU's step on CPU.
+        self.expand_kv_heads: bool | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -449,8 +479,14 @@ class DFlashDrafter(nn.Module):
         )
         rope_context = (rope_context[0][None], rope_context[1][None])
         for layer in self.layers:
-            x = layer(x, context, rope_block, rope_context, anchors, self.attention_implementation)
+            x = layer(x, context, rope_block, rope_context, anchors, self._attend())
         return self.norm(x)
+
+    def _attend(self) -> Callable[..., torch.Tensor]:
+        attend = ATTENTION_IMPLEMENTATIONS[self.attention_implementation]
+        if attend is block_prefix_attention:
+            return partial(attend, expand_kv_heads=self.expand_kv_heads)
+        return attend
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen lm_head over drafter hidden states."""
@@ -472,13 +508,3 @@ class DFlashDrafter(nn.Module):
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_block_token(config: DFlashConfig, context_len: float) -> float:
-    """Approximate forward FLOPs per block token (matmuls only), for throughput reports."""
-    h, hd = config.hidden_size, config.head_dim
-    proj = 2 * h * hd * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    mlp = 6 * h * config.intermediate_size
-    attn = 4 * config.num_attention_heads * hd * (context_len + config.block_size)
-    per_layer = proj + mlp + attn
-    return config.num_hidden_layers * per_layer + 2 * h * config.vocab_size
