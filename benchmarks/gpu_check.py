@@ -1,19 +1,26 @@
-"""GPU check: extraction and drafter-training throughput and MFU on one GPU, in one command.
+"""GPU check: extraction and drafter-training throughput, MFU and peak memory on one GPU.
 
-A random-initialised Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, vocab
-151936, bf16; no download) and the `dflash_b16` drafter (5 layers, block 16, 512 anchors):
+A random-initialised target (bf16; no download) and the `dflash_b16` drafter (5 layers, block
+16, 512 anchors) of its shape. `--shape qwen3.6-slice` (default) is Qwen3.6-27B at full width
+(hidden 5120, vocab 248320, gated attention 24/4 x 256, Gated DeltaNet 16/48 x 128,
+intermediate 17408; the text config of conf/model/qwen3_6_27b.yaml) cut to --layers hybrid
+layers (3 linear-attention then 1 full-attention, repeated), with its drafter's shape (32/8 x 128,
+17408); `--shape qwen3-8b` is Qwen3-8B whole.
 
 1. extraction: `extraction.pack_features` (length-sorted token-budget batches, forward cut
    after the last target layer, features copied to host as bf16) over long-tailed lengths;
-   tokens/s and MFU of the target forward it runs (layers 0..max(target_layer_ids)).
+   tokens/s, MFU of the target forward and peak GPU memory.
 2. training: drafter steps (bf16 autocast, AdamW, weighted block loss, backward) on
-   --train-seq-len sequences with features from step 1's model; sequence tokens/s and MFU
-   of the drafter (forward + backward = 3x forward FLOPs, lm_head included).
+   --train-seq-len sequences with features from step 1's model; sequence tokens/s, MFU and
+   peak GPU memory, beside the peak `draftline plan` predicts for the same step on fake
+   tensors (`draftline.drafter.memory`).
 
-MFU is achieved matmul FLOPs over the GPU's dense bf16 peak (table below, or --peak-tflops).
-`--tiny` runs the same code on a tiny shape on CPU in seconds, as a smoke test.
+FLOPs are counted by torch's FlopCounterMode on an untimed pass of the same work (matmuls and
+attention, whatever kernels run); MFU is them over the GPU's dense bf16 peak (table below, or
+--peak-tflops). Without flash-linear-attention the DeltaNet layers run a slow torch fallback:
+the report says so. `--tiny` runs the same code on a tiny hybrid shape on CPU, as a smoke test.
 
-    python benchmarks/gpu_check.py [--out gpu_check.json]          # one H200: ~3-5 minutes
+    python benchmarks/gpu_check.py [--out gpu_check.json]          # one H200: under 10 minutes
     python benchmarks/gpu_check.py --tiny                          # CPU smoke
 """
 
@@ -28,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead, flops_per_block_token
+from draftline.core.target import hybrid_kernels_missing
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.extraction import pack_features
 from draftline.drafter.objective import block_loss, position_weights
 
@@ -42,31 +51,44 @@ PEAK_BF16_TFLOPS = {
     "A100": 312.0,
 }
 
-QWEN3_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "target_layer_ids": [1, 9, 17, 25, 33],
-}
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 192,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 1024,
-    "target_layer_ids": [1, 2, 3, 4, 5],
-}
+CONF_MODELS = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def profile_config(model: str) -> dict[str, Any]:
+    """A model profile's text config (`config:` in conf/model/<model>.yaml)."""
+    return dict(yaml.safe_load((CONF_MODELS / f"{model}.yaml").read_text())["config"])
+
+
+def shape_of(name: str, layers: int) -> dict[str, Any]:
+    """The target's text config, its target layers and the drafter's attention/MLP shape."""
+    if name == "qwen3-8b":
+        config = profile_config("qwen3_8b")
+        return {"config": config, "target_layer_ids": [1, 9, 17, 25, 33], "drafter": {}}
+    if name == "qwen3.6-slice":
+        config = {**profile_config("qwen3_6_27b"), "num_hidden_layers": layers}
+        # Spread over the slice like the real ids [1, 16, 31, 46, 61] over 64 layers.
+        ids = sorted({min(layers - 1, round(1 + i * (layers - 2) / 4)) for i in range(5)})
+        drafter = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "intermediate_size": 17408}  # fmt: skip
+        return {"config": config, "target_layer_ids": ids, "drafter": drafter}
+    if name == "tiny":
+        config = {
+            **profile_config("qwen3_6_27b"), "hidden_size": 64, "intermediate_size": 192,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 1024,
+        }  # fmt: skip
+        drafter = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "intermediate_size": 192}  # fmt: skip
+        return {"config": config, "target_layer_ids": [1, 2, 3, 4, 5], "drafter": drafter}
+    raise SystemExit(f"unknown --shape {name!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    p.add_argument("--shape", choices=("qwen3.6-slice", "qwen3-8b"), default="qwen3.6-slice")
+    p.add_argument("--layers", type=int, default=8, help="layers of the qwen3.6 slice")
     p.add_argument("--extract-tokens", type=int, default=400_000, help="tokens to extract")
     p.add_argument("--tokens-per-batch", type=int, default=32768)
     p.add_argument("--train-seq-len", type=int, default=3072)
@@ -101,19 +123,15 @@ def peak_flops(device: torch.device, override: float | None) -> tuple[float | No
 
 
 def make_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = Qwen3Config(
-        **{k: v for k, v in shape.items() if k != "target_layer_ids"},
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-    )
+    config = AutoConfig.for_model(**shape["config"])
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialise in the run dtype: no fp32 copy of 8B weights
+    torch.set_default_dtype(dtype)  # initialise in the run dtype: no fp32 copy of the weights
     try:
         with device:
-            model = Qwen3ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     return model.eval().requires_grad_(False)
@@ -133,15 +151,23 @@ def long_tailed_rows(total_tokens: int, vocab: int, max_len: int) -> list[list[i
     return sorted(rows, key=len)
 
 
-def target_forward_flops(shape: dict[str, Any], lengths: list[int]) -> float:
-    """Matmul FLOPs of the target forward up to the last target layer (causal attention)."""
-    h, hd = shape["hidden_size"], shape["head_dim"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    layers = max(shape["target_layer_ids"]) + 1
-    per_token = 2 * (h * hd * (2 * heads + 2 * kv) + 3 * h * shape["intermediate_size"])
-    tokens = sum(lengths)
-    attention = sum(2 * 2 * heads * hd * n * (n + 1) / 2 for n in lengths)
-    return layers * (per_token * tokens + attention)
+def counted_flops(work: Any) -> float:
+    """FLOPs torch counts (matmuls, attention) while `work()` runs once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        work()
+    return float(counter.get_total_flops())
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def synchronize(device: torch.device) -> None:
@@ -151,17 +177,18 @@ def synchronize(device: torch.device) -> None:
 
 def check_extraction(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
     rows = long_tailed_rows(
-        args.extract_tokens, shape["vocab_size"], 4096 if not args.tiny else 256
+        args.extract_tokens, shape["config"]["vocab_size"], 4096 if not args.tiny else 256
     )
+    layers = shape["target_layer_ids"]
     warm = rows[-4:]
-    pack_features(model, warm, shape["target_layer_ids"], args.tokens_per_batch, device)
+    pack_features(model, warm, layers, args.tokens_per_batch, device)
     synchronize(device)
+    reset_peak(device)
     began = time.perf_counter()
-    feats, padded = pack_features(
-        model, rows, shape["target_layer_ids"], args.tokens_per_batch, device
-    )
+    feats, padded = pack_features(model, rows, layers, args.tokens_per_batch, device)
     synchronize(device)
     seconds = time.perf_counter() - began
+    peak = peak_bytes(device)
     tokens = sum(len(r) for r in rows)
     return {
         "sequences": len(rows),
@@ -169,24 +196,23 @@ def check_extraction(model: Any, shape: dict[str, Any], args: argparse.Namespace
         "padded_tokens": padded,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "flops": target_forward_flops(shape, [len(r) for r in rows]),
+        "flops": counted_flops(
+            lambda: pack_features(model, rows, layers, args.tokens_per_batch, device)
+        ),
         "feature_bytes_per_token": feats.element_size() * feats.shape[-1],
+        "peak_gpu_bytes": peak,
     }
 
 
 def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
-    config = DFlashConfig(
-        hidden_size=shape["hidden_size"],
+    vocab = int(shape["config"]["vocab_size"])
+    config = DFlashConfig.from_target(
+        shape["config"],
         num_hidden_layers=args.drafter_layers,
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
         block_size=args.block,
-        mask_token_id=shape["vocab_size"] - 1,
+        mask_token_id=vocab - 1,
         target_layer_ids=list(shape["target_layer_ids"]),
-        num_target_layers=shape["num_hidden_layers"],
+        **shape["drafter"],
     )
     head = TargetHead.from_model(model)
     torch.manual_seed(0)
@@ -194,7 +220,7 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=device.type == "cuda")
     b, t, n, s = args.train_batch, args.train_seq_len, args.anchors, args.block
     gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, shape["vocab_size"] - 1, (b, t), generator=gen)
+    ids = torch.randint(0, vocab - 1, (b, t), generator=gen)
     features = torch.cat(
         [
             pack_features(model, [row.tolist()], config.target_layer_ids, t, device)[0][None]
@@ -225,15 +251,14 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
     for _ in range(2):
         step()
     synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     began = time.perf_counter()
     losses = [step() for _ in range(args.train_steps)]
     synchronize(device)
     seconds = time.perf_counter() - began
+    peak = peak_bytes(device)
     block_tokens = b * n * s * args.train_steps
-    # Mean context a block attends to: anchors are uniform over the sequence, so ~t/2.
-    flops = 3 * block_tokens * flops_per_block_token(config, t / 2)
+    flops = counted_flops(step) * args.train_steps
     return {
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "steps": args.train_steps,
@@ -242,10 +267,32 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
         "block_tokens_per_s": block_tokens / seconds,
         "flops": flops,
         "loss_first_last": [losses[0], losses[-1]],
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else None,
+        "peak_gpu_bytes": peak,
+        "planned_peak_bytes": planned_train_peak(shape, config, args),
     }
+
+
+def planned_train_peak(
+    shape: dict[str, Any], config: DFlashConfig, args: argparse.Namespace
+) -> int:
+    """What `draftline plan` predicts for this step (offline features, bf16) on fake tensors."""
+    from draftline.drafter import memory
+    from draftline.drafter.build import Hyperparameters
+
+    hp = Hyperparameters(
+        num_hidden_layers=args.drafter_layers, block_size=args.block, gamma=7.0,
+        max_anchors=args.anchors, global_batch_size=args.train_batch, lr=6e-4,
+        weight_decay=0.0, warmup_ratio=0.0, epochs=1, grad_clip=1.0, seed=0,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+    )  # fmt: skip
+    model = {"name": "gpu_check", "path": "-", "config": shape["config"],
+             "target_layer_ids": shape["target_layer_ids"]}  # fmt: skip
+    peak = memory.train_step_peak(
+        model, hp, args.train_seq_len, args.train_batch, "bf16", online=False
+    )
+    return peak.peak_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no CUDA GPU visible: run on a GPU node, or pass --tiny for a CPU smoke")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = TINY if args.tiny else QWEN3_8B
+    shape_name = "tiny" if args.tiny else args.shape
+    shape = shape_of(shape_name, args.layers)
     peak, peak_source = peak_flops(device, args.peak_tflops)
     began = time.perf_counter()
     model = make_target(shape, device, dtype)
@@ -268,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "shape": "tiny" if args.tiny else "qwen3-8b",
+        "shape": shape_name,
+        "target_layers": shape["config"]["num_hidden_layers"],
+        "hybrid_kernels_missing": hybrid_kernels_missing(),
         "peak_flops": peak,
         "peak_source": peak_source,
         "setup_s": setup_s,
@@ -287,6 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         f"({training['block_tokens_per_s']:,.0f} block tok/s), "
         f"{training['achieved_tflops']:.1f} TFLOP/s, MFU {mfu(training)}"
     )
+    gib = lambda n: "n/a" if n is None else f"{n / 2**30:.1f} GiB"  # noqa: E731
+    print(
+        f"  peak GPU memory: extraction {gib(extraction['peak_gpu_bytes'])}, training "
+        f"{gib(training['peak_gpu_bytes'])} (planned {gib(training['planned_peak_bytes'])})"
+    )
+    if report["hybrid_kernels_missing"]:
+        missing = ", ".join(report["hybrid_kernels_missing"])
+        print(f"  DeltaNet layers on the torch fallback ({missing} not installed)")
     print(f"  total {report['total_s']:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One memory-figure cache for the whole run (subprocesses included), outside the checkout.
+os.environ.setdefault("DRAFTLINE_MEMORY_CACHE", tempfile.mkdtemp(prefix="draftline-memory-"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

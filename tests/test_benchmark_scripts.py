@@ -75,3 +75,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     assert report["extraction"]["tokens_per_s"] > 0
     assert report["training"]["sequence_tokens_per_s"] > 0
     assert all(x == x for x in report["training"]["loss_first_last"])  # finite, not NaN
+    # FLOPs counted by torch on the same work; the plan's fake-tensor peak for the same step.
+    assert report["extraction"]["flops"] > 0 and report["training"]["flops"] > 0
+    assert report["training"]["planned_peak_bytes"] > 0
+    assert report["target_layers"] == 8  # the tiny hybrid: 3 linear + 1 full attention, twice

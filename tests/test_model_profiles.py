@@ -152,3 +152,26 @@ def test_doctor_says_when_hybrid_layers_run_on_the_slow_fallback(monkeypatch) ->
     monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: [])
     assert doctor._hybrid_rows(hybrid) == [("hybrid layers", True, "fast kernels installed")]
     assert doctor._hybrid_rows({"model": profile("qwen3_8b")}) == []
+
+
+PRODUCTION = sorted(set(PROFILES) - set(EMBEDDED))
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_production_text_config_agrees_with_the_profile(name: str) -> None:
+    """The `config:` block `draftline plan` builds the target from (without a download) says
+    what the profile says: layers, width, vocabulary, layer mix, and the parameter count
+    (counted from transformers' own model on the meta device, within 2%)."""
+    from draftline.drafter import memory
+
+    p = profile(name)
+    config = memory.transformers_config(p["config"])
+    assert config.num_hidden_layers == p["num_hidden_layers"]
+    assert config.hidden_size == p["hidden_size"]
+    assert config.vocab_size == p["vocab_size"]
+    assert not config.tie_word_embeddings
+    types = list(getattr(config, "layer_types", None) or ["full_attention"])
+    pattern = p["layer_types_pattern"]
+    assert types == pattern * (len(types) // len(pattern)), types[:8]
+    parameters = memory.target_weight_bytes(p["config"], "bf16") / 2
+    assert parameters == pytest.approx(p["num_parameters"], rel=0.02), parameters

@@ -408,8 +408,55 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         assert set(prof["total"]) == {"offline", "online"}
         for stage in prof["stages"].values():
             assert set(stage) == {"seconds", "days", "range_days", "over_limit", "source"}
-    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days.
-    assert [(f["profile"], f["stage"]) for f in out["flags"]] == [("pro6000x4", "train_online")]
+    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days, and
+    # it does not fit a PRO 6000 either (the target beside the drafter).
+    assert [(f["kind"], f["profile"], f["stage"]) for f in out["flags"]] == [
+        ("time", "pro6000x4", "train_online"),
+        ("memory", "pro6000x4", "train_online"),
+    ]
+    assert out["profiles"]["cpu"]["memory"]["stages"] == {}
+    for name in ("pro6000x4", "b200x8"):
+        memory = out["profiles"][name]["memory"]
+        assert set(memory["stages"]) == {"extract", "train_offline", "train_online"}
+        assert memory["device_bytes"] > memory["usable_bytes"]
+    memory_recs = [r for r in out["recommendations"] if r["kind"] == "memory"]
+    assert [(r["profile"], r["override"]) for r in memory_recs] == [
+        ("pro6000x4", "extract.features=offline")
+    ]
+
+
+def test_no_memory_skips_the_fake_tensor_runs(capsys, conf, tmp_path):
+    out = _main_json(capsys, *SEED, "--config-dir", str(conf), "--no-memory")
+    assert all("memory" not in p for p in out["profiles"].values())
+    assert not [f for f in out["flags"] if f["kind"] == "memory"]
+
+
+def test_memory_flags_and_fixes_name_the_profile_stage_and_override(seed_params, profiles):
+    gib = 2**30
+    fits = {"peak_bytes": 10 * gib, "resident": {}, "fits": True}
+    memory = {
+        "pro6000x4": {
+            "device_bytes": 96 * gib,
+            "usable_bytes": 91 * gib,
+            "stages": {
+                "extract": {
+                    **fits, "peak_bytes": 99 * gib, "fits": False,
+                    "fix": {"override": "hardware.extract_tokens_per_batch=16384",
+                            "peak_bytes": 60 * gib},
+                },
+                "train_offline": {**fits, "peak_bytes": 120 * gib, "fits": False, "fix": None},
+                "train_online": fits,
+            },
+        }
+    }  # fmt: skip
+    plan = planning.build_plan(seed_params, profiles, {}, memory=memory)
+    flags = [f for f in plan["flags"] if f["kind"] == "memory"]
+    assert [f["stage"] for f in flags] == ["extract", "train_offline"]
+    assert "needs 99.0 GiB per GPU, over the 91.0 GiB usable of 96.0 GiB" in flags[0]["message"]
+    recs = [r for r in plan["recommendations"] if r["kind"] == "memory"]
+    assert recs[0]["override"] == "hardware.extract_tokens_per_batch=16384"
+    assert "(60.0 GiB per GPU)" in recs[0]["message"]
+    assert recs[1]["override"] is None and "no smaller batch" in recs[1]["message"]
 
 
 def test_cli_table_in_a_subprocess(repo_root, tmp_path):
@@ -442,6 +489,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
     assert "1.18 d (0.88–1.76)" in out  # b200x8 generation and its range
     assert "140.1 TB" in out and "over budget" in out
     assert "FLAG" in out and "RECOMMEND" in out and "extract.features=online" in out
+    assert "Memory per GPU" in out and "OOM" in out  # online training on the PRO 6000
     for name in ("cpu", "pro6000x4", "b200x8"):
         assert name in out
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline.ops import planning
+from draftline.ops import plan_memory, planning
 from draftline.runtime import hardware, params, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show the estimate-only plan and the plan from measured metrics side by side",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="skip the memory per GPU (measured on fake tensors: seconds per profile, "
+        f"remembered under {memory_cache()})",
+    )
 
 
 def read_metrics(
@@ -139,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
             f"no stage metrics under {args.metrics_dir}/: run the pipeline first (dvc repro) "
             "or point --metrics-dir at a run's metrics"
         )
+    memory = {} if args.no_memory else measure_memory(composed, profiles)
     options = {
+        "memory": memory,
         "samples": args.samples,
         "completion_tokens": args.completion_tokens,
         "prompt_tokens": args.prompt_tokens,
@@ -169,6 +177,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(console, plan)
     return 0
+
+
+def memory_cache() -> Path:
+    from draftline.drafter.memory import CACHE_DIR
+
+    return CACHE_DIR
+
+
+def measure_memory(
+    composed: dict[str, Any], profiles: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Memory per GPU of every profile, with a status line on stderr while it is measured."""
+    from rich.console import Console
+
+    with Console(stderr=True).status("memory per GPU (fake tensors)") as status:
+
+        def progress(what: str) -> None:
+            status.update(f"memory per GPU (fake tensors): {what}")
+
+        return {
+            name: plan_memory.profile_memory(
+                composed, {**profile, "name": name}, memory_cache(), progress
+            )
+            for name, profile in profiles.items()
+        }
 
 
 def _metric_files(metrics: dict[str, Any], folder: str) -> list[str]:
@@ -286,7 +319,40 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         for key, figure in p["throughput"].items():
             sources.add_row(p["name"], key.removesuffix("_tok_s"), _rate(figure), figure["source"])
     console.print(sources)
+    _print_memory(console, plan)
     _print_advice(console, plan)
+
+
+def _memory_cell(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "-"
+    cell = f"{info['peak_bytes'] / 2**30:,.1f}"
+    return cell if info["fits"] else f"[bold red]{cell} OOM[/]"
+
+
+def _print_memory(console: Any, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    rows = [p for p in plan["profiles"].values() if (p.get("memory") or {}).get("device_bytes")]
+    if not rows:
+        return
+    table = Table(
+        "profile", "GPU GiB", "extract", "train offline", "train online",
+        "held throughout (online)",
+        title="Memory per GPU, GiB (fake-tensor run of the project's code; 5% kept free)",
+        title_justify="left",
+    )  # fmt: skip
+    for p in rows:
+        mem = p["memory"]
+        stages = mem["stages"]
+        held = stages.get("train_online", {}).get("resident") or {}
+        table.add_row(
+            p["name"],
+            f"{mem['device_bytes'] / 2**30:,.1f}",
+            *(_memory_cell(stages.get(k)) for k in plan_memory.STAGES),
+            ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in held.items()),
+        )
+    console.print(table)
 
 
 def _print_advice(console: Any, plan: dict[str, Any]) -> None:

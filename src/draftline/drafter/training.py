@@ -181,7 +181,7 @@ class Metrics:
 # The loop
 
 
-def _autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     if precision not in PRECISIONS:
         raise SystemExit(f"hardware.precision={precision!r}: training supports fp32 or bf16")
     dtype = PRECISIONS[precision]
@@ -293,7 +293,7 @@ def train(
                 sync = number == len(micro) - 1 or world.size == 1
                 with (
                     contextlib.nullcontext() if sync else trained.no_sync(),
-                    _autocast(device.type, run.precision),
+                    autocast(device.type, run.precision),
                 ):
                     hidden = trained(features, mb.block_ids, mb.anchors)
                     parts = block_loss(hidden, head.lm_head_weight, mb.labels, mb.weights)

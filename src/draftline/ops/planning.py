@@ -136,9 +136,14 @@ def build_plan(
     prompt_tokens: float | None = None,
     storage_budget_tb: float = DEFAULT_STORAGE_BUDGET_TB,
     time_limit_days: float = DEFAULT_TIME_LIMIT_DAYS,
+    memory: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole plan as a JSON-able dict (schema `draftline.plan/1`, see docs/pipeline.md)."""
+    """The whole plan as a JSON-able dict (schema `draftline.plan/1`, see docs/pipeline.md).
+
+    `memory` maps profile names to their memory per GPU (`ops.plan_memory.profile_memory`).
+    """
     metrics = metrics or {}
+    memory = memory or {}
     inputs = resolve_inputs(params, metrics, samples, completion_tokens, prompt_tokens)
     seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
     feature_bytes = seq_tokens * inputs.bytes_per_token.value
@@ -154,7 +159,10 @@ def build_plan(
         plan_profile(name, prof, params, inputs, metrics, time_limit_days)
         for name, prof in profiles.items()
     ]
-    flags = _flags(storage, planned, inputs, time_limit_days)
+    for p in planned:
+        if p["name"] in memory:
+            p["memory"] = memory[p["name"]]
+    flags = _flags(storage, planned, inputs, time_limit_days) + _memory_flags(planned)
     model = params["model"]
     return {
         "schema": SCHEMA,
@@ -181,7 +189,8 @@ def build_plan(
         "storage": storage,
         "profiles": {p["name"]: p for p in planned},
         "flags": flags,
-        "recommendations": _recommendations(storage, planned, inputs, time_limit_days),
+        "recommendations": _recommendations(storage, planned, inputs, time_limit_days)
+        + _memory_recommendations(planned),
         "notes": _other_run_notes(metrics, run_identity(params)),
     }
 
@@ -355,4 +364,60 @@ def _recommendations(
                         ),
                     }
                 )
+    return recs
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def _memory_flags(planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    flags = []
+    for p in planned:
+        mem = p.get("memory") or {}
+        for stage, info in (mem.get("stages") or {}).items():
+            if not info["fits"]:
+                flags.append(
+                    {
+                        "kind": "memory",
+                        "profile": p["name"],
+                        "stage": stage,
+                        "message": (
+                            f"{p['name']}: {STAGE_WORDS[stage]} needs {_gib(info['peak_bytes'])} "
+                            f"per GPU, over the {_gib(mem['usable_bytes'])} usable of "
+                            f"{_gib(mem['device_bytes'])} (out of memory)"
+                        ),
+                    }
+                )
+    return flags
+
+
+def _memory_recommendations(planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    recs = []
+    for p in planned:
+        for stage, info in ((p.get("memory") or {}).get("stages") or {}).items():
+            if info["fits"]:
+                continue
+            fix = info.get("fix")
+            if fix:
+                message = (
+                    f"{p['name']}: {STAGE_WORDS[stage]} fits with {fix['override']} "
+                    f"({_gib(fix['peak_bytes'])} per GPU)"
+                    + (f": {fix['why']}" if fix.get("why") else "")
+                )
+            else:
+                message = (
+                    f"{p['name']}: no smaller batch makes {STAGE_WORDS[stage]} fit: train on "
+                    "bigger GPUs, or shorten drafter.max_length / drafter.max_anchors "
+                    "(which changes what is trained)"
+                )
+            recs.append(
+                {
+                    "kind": "memory",
+                    "profile": p["name"],
+                    "stage": stage,
+                    "override": fix["override"] if fix else None,
+                    "message": message,
+                }
+            )
     return recs

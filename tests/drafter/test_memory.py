@@ -1,0 +1,106 @@
+"""Memory per GPU on fake tensors: the live-bytes count, the shortcuts the plan takes against a
+direct measurement of the whole target, and the production target on the GPU profiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftline.drafter import memory
+from draftline.drafter.build import Hyperparameters
+from draftline.ops import plan_memory
+from draftline.runtime import hardware, params
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+GIB = 2**30
+
+
+def test_live_bytes_counts_each_storage_once_until_it_is_freed():
+    with memory.fake_tensors(), memory.LiveBytes(resident=100) as live:
+        a = torch.empty(1024, 1024)  # 4 MiB
+        view = a[:10]  # shares a's storage
+        b = a + 1  # 4 MiB more
+        assert live.now == 100 + 8 * 2**20
+        del a, view, b
+        c = torch.empty(256, dtype=torch.bfloat16)
+        assert live.now == 100 + 512
+        assert live.peak == 100 + 8 * 2**20
+        del c
+
+
+def test_shallow_depth_is_one_period_of_layer_types_and_one_layer_per_state():
+    hybrid = {"model_type": "qwen3_5_text", "num_hidden_layers": 64, "vocab_size": 64}
+    assert memory.shallow_depth(hybrid, 5) == 5  # the period (4) is shorter than 5 states
+    assert memory.shallow_depth(hybrid, 2) == 4
+    dense = {"model_type": "qwen3", "num_hidden_layers": 36, "vocab_size": 64}
+    assert memory.shallow_depth(dense, 5) == 5
+
+
+def production() -> tuple[dict, dict]:
+    composed = params.compose(
+        ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16", "hardware=b200x8"], CONF
+    )
+    return composed, hardware.load_profiles(CONF)
+
+
+def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_target():
+    """The b200x8 figures the plan prints for Qwen3.6-27B (shallow target, weights on the meta
+    device) against the project's code run on the whole 64-layer target on fake tensors: one
+    extract batch and one online training micro-batch."""
+    composed, profiles = production()
+    profile = {**profiles["b200x8"], "name": "b200x8"}
+    planned = plan_memory.profile_memory(composed, profile, cache_dir=None)["stages"]
+    model, hp = composed["model"], Hyperparameters.from_params(composed["drafter"])
+    max_length = composed["extract"]["max_length"]
+    direct_extract = memory.extract_peak(
+        model, max_length, profile["extract_tokens_per_batch"], "bf16", shallow=False
+    )
+    direct_online = memory.train_step_peak(
+        model, hp, max_length, profile["micro_batch_size"], "bf16", online=True, shallow=False
+    )
+    for stage, direct in (("extract", direct_extract), ("train_online", direct_online)):
+        got = planned[stage]["peak_bytes"]
+        assert abs(got - direct.peak_bytes) <= 0.10 * direct.peak_bytes, (stage, got, direct)
+    # The target's weights: 26.9B bf16 parameters (50.1 GiB), counted the same both ways.
+    assert planned["train_online"]["resident"]["target"] == direct_online.resident["target"]
+    assert 49 * GIB < direct_online.resident["target"] < 51 * GIB
+
+
+def test_qwen36_fits_online_on_b200x8_and_the_plan_says_what_to_change_on_pro6000x4():
+    composed, profiles = production()
+    b200 = plan_memory.profile_memory(composed, {**profiles["b200x8"], "name": "b200x8"})
+    assert all(info["fits"] for info in b200["stages"].values()), b200
+    pro = plan_memory.profile_memory(composed, {**profiles["pro6000x4"], "name": "pro6000x4"})
+    online = pro["stages"]["train_online"]
+    assert not online["fits"] and online["peak_bytes"] > pro["device_bytes"]
+    assert online["fix"]["override"] == "extract.features=offline"
+    assert pro["stages"]["train_offline"]["fits"] and pro["stages"]["extract"]["fits"]
+    # What a micro-batch holds beyond the weights and optimizer state grows with its size.
+    held = sum(b200["stages"]["train_offline"]["resident"].values())
+    per_sequence_b200 = (b200["stages"]["train_offline"]["peak_bytes"] - held) / 4
+    per_sequence_pro = (pro["stages"]["train_offline"]["peak_bytes"] - held) / 2
+    assert per_sequence_b200 == pytest.approx(per_sequence_pro, rel=0.25)
+
+
+def test_a_cpu_profile_is_not_planned_and_a_hub_model_without_config_names_the_fix():
+    composed, profiles = production()
+    assert plan_memory.profile_memory(composed, profiles["cpu"])["stages"] == {}
+    model = {**composed["model"], "config": None}
+    with pytest.raises(SystemExit, match="no `config:` block"):
+        memory.text_config(model)
+
+
+def test_figures_are_remembered_by_their_inputs(tmp_path):
+    calls = []
+
+    def work() -> memory.Peak:
+        calls.append(1)
+        return memory.Peak(123, {"target": 7})
+
+    for _ in range(2):
+        assert memory.cached(work, {"stage": "x"}, tmp_path) == memory.Peak(123, {"target": 7})
+    assert len(calls) == 1
+    memory.cached(work, {"stage": "y"}, tmp_path)
+    assert len(calls) == 2
