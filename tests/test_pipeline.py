@@ -153,7 +153,8 @@ def test_readme_compare_recipes_run_and_fit_a_terminal(finished):
     commands = [shlex.split(line) for line in block.splitlines() if line.startswith("dvc ")]
     assert len(commands) == 2
     header = run([*commands[0], "--csv"], repo).stdout.splitlines()[0].split(",")
-    assert {"tau", "final_loss", "rows_kept", "train.tokens_per_s", "hardware.name"} <= set(header)
+    assert {"tau", "tau_sampled", "final_loss", "rows_kept", "train.tokens_per_s",
+            "hardware.name"} <= set(header)  # fmt: skip
     assert len(header) <= 10, header
     for command in commands:
         run(command, repo)
@@ -350,8 +351,10 @@ def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
     config = json.loads((repo / "models/drafter/config.json").read_text())
     mask = yaml.safe_load((repo / "conf/model/tiny_qwen36.yaml").read_text())["mask_token_id"]
     assert config["dflash_config"]["mask_token_id"] == mask
+    block = config["block_size"]
+    assert 1.0 <= ev["tau_sampled_untrained"] < ev["tau_sampled"] <= block, ev
     shown = run(["dvc", "exp", "show", "--json"], repo).stdout
-    assert "tau_ratio" in shown
+    assert "tau_ratio" in shown and "tau_sampled" in shown
 
 
 def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:

@@ -16,10 +16,15 @@ from draftline.core.continuation import greedy_continuations
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.evaluation import (
     Cycle,
+    Sampling,
     TauReport,
     anchor_drafts,
     chained_walk,
+    expected_commit,
     judge,
+    sampled_commits,
+    sampling_distribution,
+    target_logits,
     walk_batched,
     walk_step_by_step,
 )
@@ -94,6 +99,62 @@ def make_drafter(target, seed: int = 0) -> DFlashDrafter:
     )  # fmt: skip
     torch.manual_seed(seed)
     return DFlashDrafter(config, TargetHead.from_model(target)).eval()
+
+
+def simulate_speculative_sampling(p: torch.Tensor, q: torch.Tensor, left: int, n: int) -> float:
+    """Mean commit of `n` simulated cycles: draft j ~ q_j, accepted with probability
+    min(1, p_j(x) / q_j(x)); the first rejection (or the end of the tokens left) stops."""
+    g = torch.Generator().manual_seed(0)
+    width = min(p.shape[0], left)
+    drafts = torch.stack([torch.multinomial(q[j], n, True, generator=g) for j in range(width)], 1)
+    ratio = (p[torch.arange(width), drafts] / q[torch.arange(width), drafts]).clamp(max=1)
+    accepted = (torch.rand(n, width, generator=g) < ratio).long().cumprod(1).sum(1)
+    return float((accepted + 1).clamp(max=left).float().mean())
+
+
+@pytest.mark.parametrize("left", [10, 3, 1])
+def test_expected_commit_matches_a_simulation_of_speculative_sampling(left):
+    """The closed form against 400,000 simulated cycles on a 6-token vocabulary (block 5)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(2 * torch.randn(4, 6, generator=g), -1)
+    q = torch.softmax(2 * torch.randn(4, 6, generator=g), -1)
+    alpha = torch.minimum(p, q).sum(-1)
+    closed = float(expected_commit(alpha[None], torch.tensor([left]))[0])
+    simulated = simulate_speculative_sampling(p, q, left, 400_000)
+    assert closed == pytest.approx(simulated, abs=0.01)
+    assert 1.0 <= closed <= min(left, 5)
+
+
+def test_sampling_distribution_applies_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.equal(sampling_distribution(logits, Sampling(0.0)), torch.tensor([[1.0, 0, 0, 0]]))
+    full = sampling_distribution(logits, Sampling(1.0))
+    assert torch.allclose(full, torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top2 = sampling_distribution(logits, Sampling(1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[0.625, 0.375, 0, 0]]))
+    # top-p 0.8: 0.5 + 0.3 reaches it, so the smallest such set is the first two tokens.
+    assert torch.allclose(sampling_distribution(logits, Sampling(1.0, top_p=0.8)), top2)
+    hot = sampling_distribution(logits, Sampling(0.5))
+    assert hot[0, 0] > 0.5 and torch.allclose(hot.sum(-1), torch.ones(1))
+
+
+def test_at_temperature_zero_the_expected_commit_is_the_greedy_commit_at_every_anchor(target):
+    """On the target's own greedy continuation, temperature 0 makes both distributions one-hot:
+    the expected commit at each anchor is what the greedy judge commits there."""
+    drafter = make_drafter(target, seed=1)
+    prompt = torch.randint(3, VOCAB - 1, (6,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = prompt + greedy_continuations(target, [prompt], 14, END_OF_TURN, batch_size=1)[0]
+    feats = target_layer_states(target, torch.tensor([tokens]), LAYER_IDS)[0]
+    logits = target_logits(target, tokens, len(prompt))
+    sampled = sampled_commits(drafter, feats, tokens, len(prompt), logits, Sampling(0.0))
+    anchors = range(len(prompt), len(tokens) - 1)
+    drafts = anchor_drafts(drafter, feats, torch.tensor(tokens), torch.tensor(list(anchors)))
+    greedy = [
+        judge(d.tolist(), tokens[a + 1 :]).committed for a, d in zip(anchors, drafts, strict=True)
+    ]
+    assert sampled == [float(c) for c in greedy]
+    hot = sampled_commits(drafter, feats, tokens, len(prompt), logits, Sampling(1.0))
+    assert all(1.0 <= c <= B for c in hot)
 
 
 def test_batched_drafts_equal_one_block_at_a_time(target):
@@ -199,7 +260,8 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
                   "mask_token": "<|MASK|>", "mask_token_id": MASK_ID,
                   "end_of_turn_token": "<|im_end|>"},
         "drafter": drafter_params,
-        "evaluate": {"max_new_tokens": 12, "max_prompts": 5},
+        "evaluate": {"max_new_tokens": 12, "max_prompts": 5, "temperature": 0.7, "top_p": 0.9,
+                     "top_k": 20},
         "hardware": {"name": "cpu", "engine": "local", "device": "cpu", "precision": "fp32",
                      "local": {"batch_size": 4}, "extract_tokens_per_batch": 64},
     }  # fmt: skip
@@ -216,7 +278,7 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
         k: m[k] for k in evaluate_stage.RESULT_KEYS
     }
     assert m["num_prompts"] == 5 and m["hardware_profile"] == "cpu"
-    for key in ("tau", "tau_untrained"):
+    for key in ("tau", "tau_untrained", "tau_sampled", "tau_sampled_untrained"):
         assert 1.0 <= m[key] <= B
     assert m["tau_ratio"] == pytest.approx(m["tau"] / m["tau_untrained"])
     assert m["trained"]["num_tokens"] == sum(
@@ -231,8 +293,11 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
         target_layer_states(target, torch.tensor([s]), LAYER_IDS)[0].to(torch.bfloat16)
         for s, _ in seqs
     ]
-    baseline = evaluate_drafter(make_drafter(target, seed=0), seqs, feats)
+    logits = [target_logits(target, s, start) for s, start in seqs]
+    sampling = Sampling(0.7, top_p=0.9, top_k=20)
+    baseline = evaluate_drafter(make_drafter(target, seed=0), seqs, feats, logits, sampling)
     assert m["tau_untrained"] == pytest.approx(baseline.tau)
+    assert m["tau_sampled_untrained"] == pytest.approx(baseline.tau_sampled)
     with open(plots / "acceptance.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["position"] for r in table] == ["1", "2", "3"]

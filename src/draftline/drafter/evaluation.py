@@ -12,11 +12,26 @@ mask: block j sees context before its anchor only), and the walk just reads them
 
 At the end of a continuation a cycle can verify only the tokens left: with r tokens after the
 anchor, drafts beyond r are not judged and the commit is at most r.
+
+Acceptance at a sampling temperature (speculative sampling, Leviathan et al. 2023, Chen et al.
+2023, as SGLang verifies): at anchor a the drafter proposes token j of the block from its
+distribution q_j (temperature, top-k, top-p applied, as the server applies them) and the target,
+whose distribution there is p_j, accepts it with probability min(1, p_j(x)/q_j(x)); the first
+rejection ends the cycle, which commits one token more than it accepted. Draft j is accepted,
+given the ones before it, with probability alpha_j = sum_x min(p_j(x), q_j(x)), so
+
+    E[commit at a] = 1 + sum_{k=1..K} prod_{j<=k} alpha_j,   K = min(B-1, r-1)
+
+(r: tokens left after the anchor, as above). p_j is the target's distribution at position a+j
+given the held-out continuation (teacher forcing; the accepted drafts are the target's own
+tokens, so that prefix is the one the server would extend), q_j the drafter's from the context
+before a. `tau_sampled` averages E over every anchor of a prompt, then over prompts. At
+temperature 0 both are one-hot and E is the greedy commit at a.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +75,11 @@ def chained_walk(
 
 
 @torch.no_grad()
-def anchor_drafts(
+def anchor_logits(
     drafter: Any, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
-) -> torch.Tensor:
-    """Greedy drafts [N, B-1] of the blocks anchored at `anchors` (sorted), in few passes.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(anchors, drafter logits [n, B-1, vocab]) of the blocks at `anchors` (sorted), in
+    chunks that bound the logits' memory.
 
     features: [T, K*H] of the whole sequence; block j only sees positions < anchors[j].
     """
@@ -71,13 +87,97 @@ def anchor_drafts(
     per_pass = max(1, LOGITS_PER_PASS // (block * drafter.config.vocab_size))
     device = drafter.fc.weight.device
     feats = features[None].to(device)
-    out = []
     for start in range(0, len(anchors), per_pass):
         chunk = anchors[start : start + per_pass].to(device)
         block_ids = drafter.block_input_ids(tokens.to(device)[chunk])
         hidden = drafter(feats, block_ids[None], chunk[None])
-        out.append(drafter.logits(hidden)[0, :, 1:].argmax(-1).cpu())
+        yield chunk, drafter.logits(hidden)[0, :, 1:].float()
+
+
+def anchor_drafts(
+    drafter: Any, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """Greedy drafts [N, B-1] of the blocks anchored at `anchors` (sorted)."""
+    chunks = anchor_logits(drafter, features, tokens, anchors)
+    out = [logits.argmax(-1).cpu() for _, logits in chunks]
+    block = drafter.config.block_size
     return torch.cat(out) if out else torch.zeros(0, block - 1, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the server samples with: temperature (0: greedy), top-p, top-k (<= 0: all)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+def sampling_distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution a token is drawn from: logits / temperature, softmax, then the top-k
+    and top-p (smallest set reaching p) cuts, renormalised; one-hot argmax at temperature 0."""
+    if sampling.temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if 0 < sampling.top_k < probs.shape[-1]:
+        kth = probs.topk(sampling.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the tokens ranked above each one
+        ordered = torch.where(before < sampling.top_p * ordered.sum(-1, keepdim=True), ordered, 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def expected_commit(alpha: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """E[commit] per anchor: 1 + sum_{k<=K} prod_{j<=k} alpha_j, K = min(B-1, left-1).
+
+    alpha: [n, B-1] acceptance probability of each draft given the ones before it; left: [n]
+    tokens after each anchor.
+    """
+    reach = alpha.cumprod(-1)
+    k = torch.arange(1, alpha.shape[-1] + 1, device=alpha.device)
+    counted = k[None, :] <= (left[:, None] - 1)
+    return 1 + (reach * counted).sum(-1)
+
+
+@torch.no_grad()
+def target_logits(target: Any, tokens: Sequence[int], start: int) -> torch.Tensor:
+    """The target's logits [len - start, vocab] at positions start.. of `tokens` (row i predicts
+    token start + i + 1), in one forward."""
+    device = next(target.parameters()).device
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=device)[None]
+    out = target(input_ids=ids, logits_to_keep=len(tokens) - start, use_cache=False)
+    return out.logits[0].float()
+
+
+def sampled_commits(
+    drafter: Any,
+    features: torch.Tensor,
+    tokens: Sequence[int],
+    prompt_len: int,
+    logits: torch.Tensor,
+    sampling: Sampling,
+) -> list[float]:
+    """Expected commit at every anchor of the continuation (see the module docstring).
+
+    logits: `target_logits(target, tokens, prompt_len)`.
+    """
+    ids = torch.as_tensor(list(tokens), dtype=torch.long)
+    anchors = torch.arange(prompt_len, max(prompt_len, len(ids) - 1))
+    out: list[float] = []
+    for chunk, draft_logits in anchor_logits(drafter, features, ids, anchors):
+        n, width = draft_logits.shape[:2]
+        # Draft j of the block at anchor a is verified by the target's row for position a+j-1.
+        rows = chunk[:, None] - prompt_len + torch.arange(width, device=chunk.device)[None]
+        rows = rows.clamp(max=logits.shape[0] - 1).to(logits.device)
+        p = sampling_distribution(logits[rows], sampling)
+        q = sampling_distribution(draft_logits.to(logits.device), sampling)
+        alpha = torch.minimum(p, q).sum(-1)
+        left = (len(ids) - 1 - chunk).to(logits.device)
+        out.extend(expected_commit(alpha, left).tolist())
+    return out
 
 
 def walk_batched(
@@ -106,9 +206,18 @@ def walk_step_by_step(
 class TauReport:
     block_size: int
     cycles: list[list[Cycle]] = field(default_factory=list)  # per prompt
+    sampled: list[list[float]] = field(default_factory=list)  # per prompt: E[commit] per anchor
 
-    def add(self, prompt_cycles: list[Cycle]) -> None:
+    def add(self, prompt_cycles: list[Cycle], sampled: list[float] | None = None) -> None:
         self.cycles.append(prompt_cycles)
+        if sampled is not None:
+            self.sampled.append(sampled)
+
+    @property
+    def tau_sampled(self) -> float | None:
+        """Mean over prompts of the mean expected commit per anchor (None: not measured)."""
+        per_prompt = [sum(c) / len(c) for c in self.sampled if c]
+        return sum(per_prompt) / len(per_prompt) if per_prompt else None
 
     @property
     def tau(self) -> float:
@@ -132,6 +241,7 @@ class TauReport:
         }
         return {
             "tau": self.tau,
+            "tau_sampled": self.tau_sampled,
             "tau_per_cycle": _share(sum(c.committed for c in flat), len(flat)),
             "num_prompts": len(self.cycles),
             "num_cycles": len(flat),
@@ -147,10 +257,18 @@ def _share(part: float, whole: float) -> float:
 
 
 def evaluate_drafter(
-    drafter: Any, sequences: Sequence[tuple[Sequence[int], int]], features: Sequence[torch.Tensor]
+    drafter: Any,
+    sequences: Sequence[tuple[Sequence[int], int]],
+    features: Sequence[torch.Tensor],
+    logits: Sequence[torch.Tensor] | None = None,
+    sampling: Sampling | None = None,
 ) -> TauReport:
-    """tau over held-out sequences: (prompt + greedy continuation ids, prompt length) each."""
+    """tau over held-out sequences: (prompt + greedy continuation ids, prompt length) each; with
+    the target's `logits` of each (`target_logits`) and a `sampling`, also tau_sampled."""
     report = TauReport(block_size=int(drafter.config.block_size))
-    for (tokens, prompt_len), feats in zip(sequences, features, strict=True):
-        report.add(walk_batched(drafter, feats, tokens, prompt_len))
+    for i, ((tokens, prompt_len), feats) in enumerate(zip(sequences, features, strict=True)):
+        sampled = None
+        if logits is not None and sampling is not None:
+            sampled = sampled_commits(drafter, feats, tokens, prompt_len, logits[i], sampling)
+        report.add(walk_batched(drafter, feats, tokens, prompt_len), sampled)
     return report

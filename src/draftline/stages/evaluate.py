@@ -1,4 +1,6 @@
-"""Stage `evaluate`: offline greedy acceptance length tau of the exported drafter.
+"""Stage `evaluate`: offline acceptance length of the exported drafter, greedy (tau) and under
+speculative sampling at the serving temperature (tau_sampled, `evaluate.temperature`, top_p,
+top_k; formula in `draftline.drafter.evaluation`).
 
 On the held-out prompts (`data/generated/eval.parquet`) the target writes its greedy
 continuation, one target forward gives the features, and the chained walk scores the trained
@@ -20,8 +22,8 @@ from draftline.runtime.atomic import write_text
 
 # The figures that compare drafters; per-position acceptance and the commit histogram are plots.
 RESULT_KEYS = (
-    "tau", "tau_untrained", "tau_ratio", "tau_per_cycle", "num_prompts",
-    "continuation_tokens_mean",
+    "tau", "tau_untrained", "tau_ratio", "tau_sampled", "tau_sampled_untrained", "tau_per_cycle",
+    "num_prompts", "continuation_tokens_mean",
 )  # fmt: skip
 
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from draftline.core.continuation import greedy_continuations
     from draftline.core.target import load_model, load_tokenizer, special_token_id
     from draftline.drafter.build import Hyperparameters, build_drafter
-    from draftline.drafter.evaluation import evaluate_drafter
+    from draftline.drafter.evaluation import Sampling, evaluate_drafter, target_logits
     from draftline.drafter.export import load_drafter
     from draftline.drafter.extraction import pack_features
 
@@ -89,17 +91,24 @@ def run(args: argparse.Namespace) -> int:
             f"evaluate: {args.drafter} has block size {trained.config.block_size}, params say "
             f"{untrained.config.block_size}: retrain (dvc repro train)"
         )
+    sampling = Sampling(
+        float(ev.get("temperature") or 0.0),
+        float(ev.get("top_p") or 1.0),
+        int(ev.get("top_k") or -1),
+    )
+    logits = [target_logits(target, tokens, start) for tokens, start in sequences]
     reports = {
-        "trained": evaluate_drafter(trained, sequences, features).summary(),
-        "untrained": evaluate_drafter(untrained, sequences, features).summary(),
+        name: evaluate_drafter(drafter, sequences, features, logits, sampling).summary()
+        for name, drafter in (("trained", trained), ("untrained", untrained))
     }
     result = metrics(reports, continuations, profile)
     run_log.write(args, "evaluate", result, RESULT_KEYS)
     write_plots(Path(args.plots), reports)
     print(
         f"evaluate: tau {result['tau']:.3f} (untrained {result['tau_untrained']:.3f}, "
-        f"x{result['tau_ratio']:.2f}) on {len(prompts)} prompts, block size "
-        f"{trained.config.block_size}"
+        f"x{result['tau_ratio']:.2f}), at temperature {sampling.temperature:g} "
+        f"{result['tau_sampled']:.3f} (untrained {result['tau_sampled_untrained']:.3f}) on "
+        f"{len(prompts)} prompts, block size {trained.config.block_size}"
     )
     return 0
 
@@ -112,6 +121,8 @@ def metrics(
         "tau": tau,
         "tau_untrained": base,
         "tau_ratio": tau / base if base else 0.0,
+        "tau_sampled": reports["trained"]["tau_sampled"],
+        "tau_sampled_untrained": reports["untrained"]["tau_sampled"],
         "num_prompts": len(continuations),
         "continuation_tokens_mean": sum(map(len, continuations)) / max(1, len(continuations)),
         "tau_per_cycle": reports["trained"]["tau_per_cycle"],
