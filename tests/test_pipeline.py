@@ -45,7 +45,8 @@ def copy_project(dest: Path) -> Path:
         text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
     for rel in listed:
-        if rel.startswith(NOT_COPIED) or not (ROOT / rel).is_file():
+        kept = rel.endswith(".gitkeep")  # folders declared in dvc.yaml (metrics/bench)
+        if (rel.startswith(NOT_COPIED) and not kept) or not (ROOT / rel).is_file():
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dest / rel)
@@ -462,3 +463,28 @@ def test_salvage_after_a_fresh_repro_is_safe(finished, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "VERDICT: SAFE" in done.stdout
     assert run(["git", "status", "--porcelain"], repo).stdout == ""
+
+
+def test_bench_results_are_listed_by_exp_show_beside_tau(finished, tmp_path):
+    """`draftline bench` after a run, against two SGLang stand-ins (SGLang needs a GPU;
+    tests/helpers/sglang_standin.py speaks its protocol and, started with
+    `--speculative-algorithm`, reports `spec_verify_ct` as SGLang does): its acceptance length
+    and speed-up are DVC metrics, in `dvc exp show` beside greedy and sampled tau."""
+    from helpers.generate_helpers import StandIn
+
+    repo, _ = finished
+    drafted = ("--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", "8",
+               "--accept-length", "4", "--step-s", "0.001")  # fmt: skip
+    try:
+        with (
+            StandIn(tmp_path, *drafted) as spec,
+            StandIn(tmp_path, "--step-s", "0.001") as base,
+        ):
+            run(["draftline", "bench", "--url", spec.url, "--baseline-url", base.url], repo)
+        rows = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+        metrics = rows[0]["data"]["metrics"]
+        bench = metrics["metrics/bench/bench.json"]["data"]
+        assert 3.0 < bench["acceptance_length"] <= 4.0 and bench["speedup"] > 0
+        assert {"tau", "tau_sampled"} <= set(metrics["metrics/evaluate.json"]["data"])
+    finally:
+        (repo / "metrics/bench/bench.json").unlink(missing_ok=True)

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("draftline.commands.doctor", "check this node: tools, packages, GPUs, profile"),
     "plan": ("draftline.commands.plan", "time, storage and cost of a run on each profile"),
     "serve": ("draftline.commands.serve", "start, stop or show the SGLang servers"),
+    "bench": ("draftline.commands.bench", "acceptance and speed-up against a live SGLang server"),
     "salvage": ("draftline.commands.salvage", "save everything before a node shuts down"),
     "build-tiny-target": (
         "draftline.commands.build_tiny_target",

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.drafter import memory
+from draftline.drafter import memory, memory_plan
 from draftline.drafter.build import Hyperparameters
-from draftline.ops import plan_memory
 from draftline.runtime import hardware, params
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -51,7 +50,7 @@ def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_targ
     extract batch and one online training micro-batch."""
     composed, profiles = production()
     profile = {**profiles["b200x8"], "name": "b200x8"}
-    planned = plan_memory.profile_memory(composed, profile, cache_dir=None)["stages"]
+    planned = memory_plan.profile_memory(composed, profile, cache_dir=None)["stages"]
     model, hp = composed["model"], Hyperparameters.from_params(composed["drafter"])
     max_length = composed["extract"]["max_length"]
     direct_extract = memory.extract_peak(
@@ -70,9 +69,9 @@ def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_targ
 
 def test_qwen36_fits_online_on_b200x8_and_the_plan_says_what_to_change_on_pro6000x4():
     composed, profiles = production()
-    b200 = plan_memory.profile_memory(composed, {**profiles["b200x8"], "name": "b200x8"})
+    b200 = memory_plan.profile_memory(composed, {**profiles["b200x8"], "name": "b200x8"})
     assert all(info["fits"] for info in b200["stages"].values()), b200
-    pro = plan_memory.profile_memory(composed, {**profiles["pro6000x4"], "name": "pro6000x4"})
+    pro = memory_plan.profile_memory(composed, {**profiles["pro6000x4"], "name": "pro6000x4"})
     online = pro["stages"]["train_online"]
     assert not online["fits"] and online["peak_bytes"] > pro["device_bytes"]
     assert online["fix"]["override"] == "extract.features=offline"
@@ -86,7 +85,7 @@ def test_qwen36_fits_online_on_b200x8_and_the_plan_says_what_to_change_on_pro600
 
 def test_a_cpu_profile_is_not_planned_and_a_hub_model_without_config_names_the_fix():
     composed, profiles = production()
-    assert plan_memory.profile_memory(composed, profiles["cpu"])["stages"] == {}
+    assert memory_plan.profile_memory(composed, profiles["cpu"])["stages"] == {}
     model = {**composed["model"], "config": None}
     with pytest.raises(SystemExit, match="no `config:` block"):
         memory.text_config(model)

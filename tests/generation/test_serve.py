@@ -447,3 +447,93 @@ def test_generate_autostart_starts_a_server_that_outlives_the_stage(tmp_path, mo
     rc, out = serve(tmp_path, "stop")
     assert rc == 0 and f"stopped http://127.0.0.1:{port}" in out
     assert wait_gone(state["pid"], 1) and wait_gone(int(engine_pid_file.read_text()), 1)
+
+
+# `draftline bench` against servers started by `draftline serve start`.
+
+
+def bench_workdir(root: Path, port: int) -> Path:
+    """The embedded target's profile, the held-out prompts and an exported drafter's config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    shutil.copytree(REPO / "conf", root / "conf")
+    model = yaml.safe_load((REPO / "conf/model/tiny.yaml").read_text(encoding="utf-8"))
+    model["path"] = str(REPO / "models/tiny-target")
+    params = {
+        "model": model, "hardware": sglang_hardware(port), "generate": {},
+        "evaluate": {"max_new_tokens": 64, "max_prompts": 12, "temperature": 0.6, "top_p": 0.95,
+                     "top_k": 20},
+        "drafter": {"name": "dflash_tiny"}, "data": {"name": "sample"},
+    }  # fmt: skip
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    prompts = [[1, 2, 3 + k, 40 + 3 * k] for k in range(20)]
+    table = pa.table({"id": [f"e{k:02d}" for k in range(20)], "prompt_ids": prompts})
+    (root / "data/generated").mkdir(parents=True)
+    pq.write_table(table, root / "data/generated/eval.parquet")
+    (root / "models/drafter").mkdir(parents=True)
+    (root / "models/drafter/config.json").write_text(json.dumps({"block_size": 8}))
+    return root
+
+
+def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
+    """Two servers from `draftline serve start`: one with the exported drafter (SGLang's DFLASH
+    flags), one without speculation. The stand-in (tests/helpers/sglang_standin.py) reports
+    `spec_verify_ct` as SGLang does when started with `--speculative-algorithm`, commits
+    --accept-length tokens per verify step and spends --step-s per target forward."""
+    spec_port, base_port = free_port(), free_port()
+    root = bench_workdir(tmp_path / "repo", spec_port)
+    argv = {name: tmp_path / f"{name}.argv" for name in ("spec", "base")}
+
+    def launcher_env(name: str) -> dict[str, str]:
+        command = [sys.executable, str(STANDIN), *STANDIN_IDS, "--accept-length", "3",
+                   "--step-s", "0.002", "--argv-log", str(argv[name])]  # fmt: skip
+        return {sglang_server.LAUNCHER_ENV: shlex.join(command)}
+
+    try:
+        rc, out = serve(root, "start", "--drafter", "models/drafter", "--port", str(spec_port),
+                        env=launcher_env("spec"))  # fmt: skip
+        assert rc == 0, out
+        rc, out = serve(root, "start", "--no-speculation", "--port", str(base_port),
+                        env=launcher_env("base"))  # fmt: skip
+        assert rc == 0, out
+        served = flags(json.loads(argv["spec"].read_text()))
+        assert served["--speculative-algorithm"] == "DFLASH"
+        assert served["--speculative-draft-model-path"] == "models/drafter"
+        assert served["--speculative-num-draft-tokens"] == "8"  # the drafter's block size
+        assert "--speculative-algorithm" not in flags(json.loads(argv["base"].read_text()))
+
+        bench = [sys.executable, "-m", "draftline", "bench", "--concurrency", "4",
+                 "--baseline-url", f"http://127.0.0.1:{base_port}"]  # fmt: skip
+        done = subprocess.run(bench, cwd=root, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "bench: acceptance length" in done.stdout
+        metrics = json.loads((root / "metrics/bench/bench.json").read_text())
+        record = json.loads((root / "logs/runs/bench.json").read_text())
+        assert record["requests"] == 12 and record["sampling"]["temperature"] == 0.6
+        # Every answer took ceil(n / 3) verify steps: SGLang's ratio lies in (2, 3].
+        assert metrics["acceptance_length"] == pytest.approx(
+            record["completion_tokens"] / record["verify_steps"]
+        )
+        assert 2.0 < metrics["acceptance_length"] <= 3.0
+        assert metrics["speedup"] == pytest.approx(
+            metrics["output_tok_s"] / metrics["baseline_output_tok_s"]
+        )
+        assert (metrics["model"], metrics["drafter"]) == (str(REPO / "models/tiny-target"),
+                                                          "dflash_tiny")  # fmt: skip
+
+        # A server without the drafter has no speculative statistics: the fix is named.
+        alone = [
+            sys.executable,
+            "-m",
+            "draftline",
+            "bench",
+            "--url",
+            f"http://127.0.0.1:{base_port}",
+        ]
+        done = subprocess.run(alone, cwd=root, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1
+        assert "draftline serve start --drafter models/drafter" in done.stdout + done.stderr
+    finally:
+        serve(root, "stop", "--all")

@@ -6,7 +6,13 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
   "meta_info": {"id", "finish_reason": {"type": "stop", "matched": <id>} | {"type": "length",
   "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}` (a list
   of those for a batch), and `{"error": {"message"}}` with HTTP 400 for a malformed request;
-- `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading.
+- `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading;
+- speculative decoding: started with SGLang's `--speculative-algorithm` (and
+  `--speculative-num-draft-tokens`), `meta_info` also carries `spec_verify_ct`, the number of
+  verify steps (target forwards) the request took, as SGLang reports it; each step commits
+  `--accept-length` tokens (capped by the draft tokens), so `completion_tokens /
+  spec_verify_ct` is that length. `--step-s` is the time of one target forward: an answer takes
+  (verify steps or completion tokens) x step-s, so speculation speeds answers up as on a GPU.
 
 The "model" is a deterministic function of the prompt ids, so a sample regenerated after a
 resume is identical. `--mode` shapes completions: `think` (`<think> t.. </think> a.. <eot>`),
@@ -25,6 +31,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import random
 import sys
@@ -104,22 +111,28 @@ class StandIn:
         prompts = ids if batch else [ids]
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         answers = []
+        forwards = 0
         for prompt, one_rid in zip(prompts, rids, strict=True):
             gen = completion_for(prompt, data.get("sampling_params") or {}, o)
-            answers.append(
-                {
-                    "text": "",
-                    "output_ids": gen["output_ids"],
-                    "meta_info": {
-                        "id": one_rid,
-                        "finish_reason": gen["reason"],
-                        "prompt_tokens": len(prompt),
-                        "completion_tokens": len(gen["output_ids"]),
-                        "cached_tokens": 0,
-                        "e2e_latency": time.monotonic() - started,
-                    },
-                }
-            )
+            n = len(gen["output_ids"])
+            meta = {
+                "id": one_rid,
+                "finish_reason": gen["reason"],
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n,
+                "cached_tokens": 0,
+            }
+            if o.speculative_algorithm:
+                per_step = min(o.accept_length, (o.speculative_num_draft_tokens or 16))
+                meta["spec_verify_ct"] = max(1, math.ceil(n / per_step))
+                forwards = max(forwards, meta["spec_verify_ct"])
+            else:
+                forwards = max(forwards, n)
+            answers.append({"text": "", "output_ids": gen["output_ids"], "meta_info": meta})
+        if o.step_s:
+            await asyncio.sleep(forwards * o.step_s)
+        for answer in answers:
+            answer["meta_info"]["e2e_latency"] = time.monotonic() - started
         self.answers += 1
         if o.die_after and self.answers > o.die_after:
             os._exit(1)  # the server dies abruptly, mid-shard
@@ -149,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None)
     p.add_argument("--argv-log", default=None)
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds per target forward")
+    p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")
+    # SGLang's own flags this stand-in honours (the rest of a real command line is ignored).
+    p.add_argument("--speculative-algorithm", default=None)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     return p
 
 

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline.ops import plan_memory, planning
+from draftline.drafter import memory_plan
+from draftline.ops import planning
 from draftline.runtime import hardware, params, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
@@ -197,7 +198,7 @@ def measure_memory(
             status.update(f"memory per GPU (fake tensors): {what}")
 
         return {
-            name: plan_memory.profile_memory(
+            name: memory_plan.profile_memory(
                 composed, {**profile, "name": name}, memory_cache(), progress
             )
             for name, profile in profiles.items()
@@ -349,7 +350,7 @@ def _print_memory(console: Any, plan: dict[str, Any]) -> None:
         table.add_row(
             p["name"],
             f"{mem['device_bytes'] / 2**30:,.1f}",
-            *(_memory_cell(stages.get(k)) for k in plan_memory.STAGES),
+            *(_memory_cell(stages.get(k)) for k in memory_plan.STAGES),
             ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in held.items()),
         )
     console.print(table)

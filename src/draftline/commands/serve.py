@@ -1,6 +1,8 @@
 """Start, stop or show the SGLang servers of this node (from the hardware profile).
 
   draftline serve start [--hardware b200x8] [--host 0.0.0.0] [--port 30000] [--dry-run]
+  draftline serve start --drafter models/drafter --port 30001   # the trained drafter (DFLASH)
+  draftline serve start --no-speculation --port 30002           # the baseline of `bench`
   draftline serve status
   draftline serve stop [--port 30000 | --all]
 
@@ -30,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for /health")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     parser.add_argument("--all", action="store_true", help="stop: every server start started")
+    spec = parser.add_mutually_exclusive_group()
+    spec.add_argument(
+        "--drafter", default=None, help="serve with this exported DFlash drafter (DFLASH)"
+    )
+    spec.add_argument(
+        "--no-speculation", action="store_true", help="serve without speculative decoding"
+    )
 
 
 def profile_for(p: dict[str, Any], name: str | None) -> dict[str, Any]:
@@ -51,14 +60,15 @@ def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     profile = profile_for(p, args.hardware)
     try:
-        command = sglang_server.server_command(profile, p["model"], host=args.host, port=args.port)
+        model = sglang_server.with_speculation(p["model"], args.drafter, args.no_speculation)
+        command = sglang_server.server_command(profile, model, host=args.host, port=args.port)
         if args.dry_run:
-            env = sglang_server.server_env(profile, p["model"])
+            env = sglang_server.server_env(profile, model)
             print(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + command))
             return 0
         timeout = args.timeout or float((p.get("generate") or {}).get("serve_timeout_s", 1800))
         state = sglang_server.start(
-            profile, p["model"], host=args.host, port=args.port, timeout_s=timeout
+            profile, model, host=args.host, port=args.port, timeout_s=timeout
         )
     except sglang_server.ServeError as exc:
         print(f"serve start failed: {exc}")

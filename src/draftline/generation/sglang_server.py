@@ -118,6 +118,8 @@ def server_command(
     spec = serving.get("speculative") or {}
     if spec.get("algorithm"):
         cmd += ["--speculative-algorithm", str(spec["algorithm"])]
+        if spec.get("draft_model_path"):
+            cmd += ["--speculative-draft-model-path", str(spec["draft_model_path"])]
         for key, flag in (
             ("num_steps", "--speculative-num-steps"),
             ("eagle_topk", "--speculative-eagle-topk"),
@@ -136,6 +138,28 @@ def server_command(
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def with_speculation(
+    model: dict[str, Any], drafter: str | Path | None = None, off: bool = False
+) -> dict[str, Any]:
+    """The model served with another speculative decoding: the exported DFlash drafter at
+    `drafter` (SGLang's DFLASH, drafting its block size), or none at all (`off`: the baseline a
+    speed-up is measured against). Without either, the model's own (`serving.speculative`)."""
+    if drafter is None and not off:
+        return model
+    speculative = None
+    if drafter is not None:
+        config = Path(drafter) / "config.json"
+        if not config.is_file():
+            raise ServeError(f"no exported drafter in {drafter}: run `dvc repro train` first")
+        block = json.loads(config.read_text(encoding="utf-8"))["block_size"]
+        speculative = {
+            "algorithm": "DFLASH",
+            "draft_model_path": str(drafter),
+            "num_draft_tokens": int(block),
+        }
+    return {**model, "serving": {**(model.get("serving") or {}), "speculative": speculative}}
 
 
 def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:

@@ -140,7 +140,7 @@ def build_plan(
 ) -> dict[str, Any]:
     """The whole plan as a JSON-able dict (schema `draftline.plan/1`, see docs/pipeline.md).
 
-    `memory` maps profile names to their memory per GPU (`ops.plan_memory.profile_memory`).
+    `memory` maps profile names to their memory per GPU (`drafter.memory_plan.profile_memory`).
     """
     metrics = metrics or {}
     memory = memory or {}

@@ -1,0 +1,78 @@
+"""Measure the trained drafter against a live SGLang server, before deploying it.
+
+  draftline serve start --drafter models/drafter --port 30001
+  draftline serve start --no-speculation --port 30002
+  draftline bench --url http://127.0.0.1:30001 --baseline-url http://127.0.0.1:30002
+
+Sends the held-out prompts (`data/generated/eval.parquet`, `evaluate.max_prompts` of them, as
+token ids) at the serving temperature (`evaluate.temperature`, top_p, top_k) to both servers and
+records SGLang's acceptance length, output tokens/s and the speed-up over the baseline in
+`metrics/bench/bench.json` (a DVC metric: `dvc exp show` lists it beside tau); the whole record
+goes to `logs/runs/bench.json`. Library: `draftline.generation.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftline.runtime import hardware, params, run_log
+
+RESULT_KEYS = ("acceptance_length", "speedup", "output_tok_s", "baseline_output_tok_s", "requests")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="composed params")
+    parser.add_argument(
+        "--url", default=None, help="server with the drafter (default: the profile's address)"
+    )
+    parser.add_argument("--baseline-url", default=None, help="server without speculation")
+    parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out prompts")
+    parser.add_argument("--max-prompts", type=int, default=None, help="default evaluate's")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--metrics", default="metrics/bench/bench.json")
+    run_log.add_arguments(parser, "bench")
+
+
+def run(args: argparse.Namespace) -> int:
+    from draftline.core import target
+    from draftline.generation import bench, sglang_server
+    from draftline.generation.engines.base import Sampling
+    from draftline.generation.engines.sglang import sampling_params
+    from draftline.stages.evaluate import held_out_prompts
+
+    p = params.load(args.params)
+    model, ev = p["model"], p["evaluate"]
+    profile = hardware.resolve_profile(p["hardware"])
+    url = args.url or sglang_server.server_url(profile)
+    prompts = held_out_prompts(Path(args.eval), args.max_prompts or int(ev["max_prompts"]))
+    eot = target.special_token_id(target.load_tokenizer(model), str(model["end_of_turn_token"]))
+    sampling = Sampling(
+        max_new_tokens=int(ev["max_new_tokens"]),
+        temperature=float(ev.get("temperature") or 0.0),
+        top_p=float(ev.get("top_p") or 1.0),
+        top_k=int(ev.get("top_k") or -1),
+    )
+    request = sampling_params(sampling, eot)
+    speculative = bench.run_server(url, prompts, request, args.concurrency, "drafter")
+    baseline = None
+    if args.baseline_url:
+        baseline = bench.run_server(
+            args.baseline_url, prompts, request, args.concurrency, "baseline"
+        )
+    record = {
+        **bench.summary(speculative, baseline),
+        "url": url,
+        "baseline_url": args.baseline_url,
+        "sampling": sampling.as_dict(),
+        "concurrency": args.concurrency,
+        **params.identity(p),
+    }
+    run_log.write(args, "bench", record, RESULT_KEYS)
+    speed = f", x{record['speedup']:.2f} over the baseline" if record.get("speedup") else ""
+    print(
+        f"bench: acceptance length {record['acceptance_length']:.2f} at temperature "
+        f"{sampling.temperature:g}, {record['output_tok_s']:,.0f} output tok/s{speed} "
+        f"({record['requests']} prompts)"
+    )
+    return 0
