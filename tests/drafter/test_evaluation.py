@@ -248,6 +248,8 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
                       [7, END_OF_TURN])
         for n in range(6)
     ]  # fmt: skip
+    for n, row in enumerate(rows):
+        row["thinking"] = n % 2 == 0  # a thinking mix (data.thinking_share)
     eval_file = write_shard(tmp_path / "eval.parquet", rows)
     export_drafter(make_drafter(target, seed=1), tmp_path / "drafter")
     drafter_params = {
@@ -298,6 +300,13 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     baseline = evaluate_drafter(make_drafter(target, seed=0), seqs, feats, logits, sampling)
     assert m["tau_untrained"] == pytest.approx(baseline.tau)
     assert m["tau_sampled_untrained"] == pytest.approx(baseline.tau_sampled)
+    # tau per thinking mode: the trained drafter on each mode's prompts alone.
+    trained = make_drafter(target, seed=1)
+    modes = [r["thinking"] for r in sorted(rows, key=lambda r: r["id"])[:5]]
+    for mode, key in ((True, "tau_thinking"), (False, "tau_no_thinking")):
+        picked = [i for i, m_ in enumerate(modes) if m_ is mode]
+        alone = evaluate_drafter(trained, [seqs[i] for i in picked], [feats[i] for i in picked])
+        assert m[key] == pytest.approx(alone.tau), key
     with open(plots / "acceptance.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["position"] for r in table] == ["1", "2", "3"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from helpers.generate_helpers import (
     StandIn,
     build_random_target,
@@ -229,3 +230,36 @@ def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir)
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
     assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)
+
+
+def test_a_thinking_share_renders_each_prompt_in_its_own_mode(tmp_path, model_dir):
+    """data.thinking_share=0.5: the ids `thinking_mode` leaves out are rendered with
+    enable_thinking=false by the target's own template (its pre-filled empty think block), the
+    rest as the model's kwargs say; each row records its mode."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from draftline.core import target
+
+    with StandIn(tmp_path) as server:
+        ids = make_workdir(tmp_path, model_dir, n=40, hardware=sglang_hardware(server.port, 4),
+                           generate={"guard": False})  # fmt: skip
+        params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+        params["data"]["thinking_share"] = 0.5
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        done = run_generate(tmp_path, "--shard", "0")
+        assert done.returncode == 0, done.stdout + done.stderr
+    rows = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    modes = {r["id"]: r["thinking"] for r in rows}
+    assert modes == {i: target.thinking_mode(i, 0.5) for i in ids}
+    assert 10 < sum(modes.values()) < 30
+    curated = {
+        r["id"]: r["messages"]
+        for r in pq.read_table(tmp_path / "data/curated/train/shard-0.parquet").to_pylist()
+    }
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for row in rows:
+        messages = [{"role": m["role"], "content": m["content"]} for m in curated[row["id"]]]
+        kwargs = {"enable_thinking": row["thinking"]}
+        assert row["prompt_ids"] == target.prompt_ids(tokenizer, messages, kwargs), row["id"]

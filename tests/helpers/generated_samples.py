@@ -64,6 +64,19 @@ def seed_pathology(frame: pd.DataFrame, share: float = 0.87) -> pd.DataFrame:
     return out
 
 
+def mixed_modes(frame: pd.DataFrame, share_off: float = 0.4) -> pd.DataFrame:
+    """`frame` with the first `share_off` of rows generated with thinking off: no think block,
+    the whole completion is the answer (as `completion_stats` counts it)."""
+    out = frame.copy()
+    off = out.index[: int(round(share_off * len(out)))]
+    out["thinking"] = True
+    out.loc[off, "thinking"] = False
+    out.loc[off, "has_think_block"] = False
+    out.loc[off, "think_tokens"] = 0
+    out.loc[off, "answer_tokens"] = out.loc[off, "num_completion_tokens"] - 1
+    return out
+
+
 def truncated(frame: pd.DataFrame, share: float) -> pd.DataFrame:
     """`share` of samples cut off at max_new_tokens while still thinking."""
     out = frame.copy()
@@ -165,4 +178,6 @@ def _arrow(part: pd.DataFrame, with_hash: bool) -> pa.Table:
     }
     if with_hash:
         columns["completion_hash"] = pa.array(part["completion_hash"], pa.string())
+    if "thinking" in part.columns:
+        columns["thinking"] = pa.array(part["thinking"], pa.bool_())
     return pa.table(columns)

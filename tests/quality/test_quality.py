@@ -10,6 +10,7 @@ import pytest
 import yaml
 from helpers.generated_samples import (
     failed_requests,
+    mixed_modes,
     samples_frame,
     seed_pathology,
     truncated,
@@ -213,3 +214,37 @@ def test_thinking_enabled_reads_the_model_template_kwargs():
     assert checks.thinking_enabled({"model": {"chat_template_kwargs": {"enable_thinking": True}}})
     assert not checks.thinking_enabled({"model": {"chat_template_kwargs": {}}})
     assert not checks.thinking_enabled({"model": {}})
+
+
+def test_a_thinking_mix_holds_each_mode_to_its_own_checks(default_quality):
+    """Rows generated with thinking off have no think block, and that is right for them: the
+    think-block check judges the thinking rows only, and completion lengths are checked per
+    mode (the non-thinking rows' checks carry the suffix)."""
+    table = mixed_modes(samples_frame(400))
+    results = results_by_name(table, default_quality)
+    assert all(r.passed for r in results.values()), checks.summarize(list(results.values()))
+    assert results["think_block_share"].observed == 1.0  # over the 240 thinking rows
+    assert {"completion_tokens_q50", "completion_tokens_q50_no_thinking"} <= set(results)
+    # Without the column the same rows would fail: 40% have no think block.
+    assert "think_block_share" in failed_names(table.drop(columns="thinking"), default_quality)
+
+
+def test_the_seed_pathology_in_the_non_thinking_rows_fails_their_own_checks(default_quality):
+    table = mixed_modes(samples_frame(400), share_off=0.5)
+    off = table.index[table["thinking"] == False]  # noqa: E712
+    table.loc[off] = seed_pathology(table.loc[off], share=1.0).assign(thinking=False)
+    failed = failed_names(table, default_quality)
+    assert "completion_tokens_q50_no_thinking" in failed
+    assert "completion_tokens_q50" not in failed  # the thinking rows are fine
+    assert "think_block_share" not in failed
+
+
+def test_non_thinking_rows_take_their_own_length_bounds(default_quality):
+    quality = {
+        **default_quality,
+        "no_thinking_completion_length_quantiles": {
+            "quantiles": [0.5], "ranges": [[1000, 2000]],
+        },
+    }  # fmt: skip
+    failed = failed_names(mixed_modes(samples_frame(400)), quality)
+    assert failed == {"completion_tokens_q50_no_thinking"}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.generated_samples import (
+    mixed_modes,
     samples_frame,
     seed_pathology,
     truncated,
@@ -81,7 +82,11 @@ def test_healthy_data_passes_and_writes_every_output(workdir):
     results = json.loads((workdir / "reports" / "validate" / "results.json").read_text())
     gx_runs = results["great_expectations"]
     assert len(gx_runs) == 2 and all(run["success"] for run in gx_runs)
-    assert {run["suite"] for run in gx_runs} == set(validation.SUITES.values())
+    # One thinking mode only: the per-mode suites have no checks of their own.
+    assert {run["suite"] for run in gx_runs} == {
+        validation.SUITES["all"],
+        validation.SUITES["answered"],
+    }
     expectations = [e for run in gx_runs for e in run["validation_result"]["results"]]
     checked = {n for e in expectations for n in e["expectation_config"]["meta"]["checks"]}
     assert checked == set(metrics["checks"])
@@ -211,6 +216,37 @@ def test_gx_and_pandas_measure_the_same(tmp_path):
     assert {c["name"] for c in saved["checks"] if not c["passed"]} == {
         r.name for r in checks.failures(measured)
     }
+
+
+def test_a_thinking_mix_runs_a_gx_suite_per_mode_that_agrees_with_pandas(workdir):
+    """Shards that mix thinking on and off (`data.thinking_share`): validate passes healthy
+    data, with one GX suite per mode beside the all-rows and answered-rows suites, and GX and
+    pandas agree on every check."""
+    table = mixed_modes(samples_frame(300))
+    write_generated(workdir, table, NUM_SHARDS)
+    rc, metrics = run_stage(workdir)
+    assert rc == 0, metrics["failed_checks"]
+    assert "completion_tokens_q50_no_thinking" in metrics["checks"]
+    gx_runs = json.loads((workdir / "reports/validate/results.json").read_text())
+    assert {run["suite"] for run in gx_runs["great_expectations"]} == set(
+        validation.SUITES.values()
+    )
+    frame = table.drop(columns=["completion_ids"])
+    outcome = validation.run_suite(
+        frame, stage_quality(), thinking=True, expected_rows=300, report_dir=workdir / "gx"
+    )
+    measured = checks.run_checks(frame, stage_quality(), thinking=True, expected_rows=300)
+    for gx_side, pandas_side in zip(outcome.results, measured, strict=True):
+        assert (gx_side.name, gx_side.passed) == (pandas_side.name, pandas_side.passed)
+        assert gx_side.observed == pytest.approx(pandas_side.observed), gx_side.name
+
+
+def stage_quality() -> dict:
+    import yaml
+
+    return yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "conf/quality/default.yaml").read_text()
+    )
 
 
 @pytest.fixture

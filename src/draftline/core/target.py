@@ -6,6 +6,7 @@ prompt and the model profile's template kwargs (e.g. enable_thinking); every sta
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,25 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: 
     """Token ids of the rendered prompt (chat template + generation prompt), no extra specials."""
     text = render_prompt(tokenizer, messages, template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def thinking_mode(sample_id: str, share: float) -> bool:
+    """Whether this sample is generated with thinking on when a `share` of them are
+    (`data.thinking_share`): a function of the id alone, so every node and rerun agrees."""
+    if share >= 1.0:
+        return True
+    if share <= 0.0:
+        return False
+    digest = hashlib.sha256(f"thinking:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def sample_template_kwargs(template_kwargs: dict, sample_id: str, share: float) -> dict:
+    """The template kwargs of one sample: the model's, with thinking turned off for the ids
+    `thinking_mode` leaves out. A template without `enable_thinking` is left as it is."""
+    if not template_kwargs.get("enable_thinking") or share >= 1.0:
+        return dict(template_kwargs)
+    return {**template_kwargs, "enable_thinking": thinking_mode(sample_id, share)}
 
 
 def special_token_id(tokenizer: Any, token: str) -> int:

@@ -49,7 +49,8 @@ class Guard:
 
     def observe(self, row: Mapping[str, Any]) -> None:
         """Add one finished sample (the scalar columns of the generated table); may abort."""
-        self.window.append({k: row[k] for k in (*quality_checks.COLUMNS, "think_tokens")})
+        keys = (*quality_checks.COLUMNS, "think_tokens", quality_checks.MODE_COLUMN)
+        self.window.append({k: row[k] for k in keys if k in row})
         self.seen += 1
         if len(self.window) >= self.min_samples and self.seen % self.check_every == 0:
             self.check()

@@ -43,6 +43,7 @@ SCHEMA = pa.schema(
         ("answer_tokens", pa.int32()),
         ("loss_mask_sum", pa.int32()),
         ("completion_hash", pa.string()),
+        ("thinking", pa.bool_()),
         ("completion_text", pa.string()),
         ("engine", pa.string()),
         ("model", pa.string()),
@@ -73,6 +74,8 @@ class Identity:
     sampling: Sampling
     # The template itself, so fixing a broken one never resumes the samples it produced.
     chat_template_sha256: str = ""
+    # Share of samples generated with thinking on (`data.thinking_share`; the rest off).
+    thinking_share: float = 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -80,7 +83,12 @@ class Identity:
             "chat_template_kwargs": self.template_kwargs,
             "chat_template_sha256": self.chat_template_sha256,
             "sampling": self.sampling.as_dict(),
+            "thinking_share": self.thinking_share,
         }
+
+    def kwargs_for(self, sample_id: str) -> dict[str, Any]:
+        """The chat-template kwargs this sample is rendered with (its thinking mode)."""
+        return target.sample_template_kwargs(self.template_kwargs, sample_id, self.thinking_share)
 
 
 def read_curated(path: Path) -> list[dict[str, Any]]:
@@ -100,7 +108,9 @@ def build_row(
     special: SpecialIds,
     tokenizer: Any,
     labels: dict[str, str],
+    thinking: bool = False,
 ) -> dict[str, Any]:
+    """One generated row; `thinking`: the sample's template had thinking on."""
     ids = [int(t) for t in result.completion_ids]
     stats = completion_stats(ids, special, think_open=prompt_opens_think(prompt, special))
     return {
@@ -116,6 +126,7 @@ def build_row(
         "answer_tokens": stats.answer_tokens,
         "loss_mask_sum": stats.loss_mask_sum,
         "completion_hash": completion_hash(ids),
+        "thinking": thinking,
         # For reading only: never tokenized again.
         "completion_text": tokenizer.decode(ids, skip_special_tokens=False),
         **labels,
@@ -138,10 +149,12 @@ def run_shard(
     from tqdm import tqdm
 
     curated = read_curated(paths.curated)
+    kwargs = {r["id"]: identity.kwargs_for(r["id"]) for r in curated}
     prompts = {
-        r["id"]: target.prompt_ids(tokenizer, _messages(r["messages"]), identity.template_kwargs)
+        r["id"]: target.prompt_ids(tokenizer, _messages(r["messages"]), kwargs[r["id"]])
         for r in curated
     }
+    modes = {i: bool(k.get("enable_thinking", False)) for i, k in kwargs.items()}
     labels = {
         "engine": engine.identity(),
         "model": identity.model,
@@ -159,7 +172,7 @@ def run_shard(
     rows: dict[str, dict[str, Any]] = {}
     for sample_id, result in finished.items():
         rows[sample_id] = build_row(
-            sample_id, prompts[sample_id], result, special, tokenizer, labels
+            sample_id, prompts[sample_id], result, special, tokenizer, labels, modes[sample_id]
         )
         if guard:
             guard.observe(rows[sample_id])
@@ -181,7 +194,9 @@ def run_shard(
     def on_result(result: Result) -> None:
         nonlocal generated_tokens
         journal.append([result], wall_s=prior_wall + time.monotonic() - started)
-        row = build_row(result.id, prompts[result.id], result, special, tokenizer, labels)
+        row = build_row(
+            result.id, prompts[result.id], result, special, tokenizer, labels, modes[result.id]
+        )
         rows[result.id] = row
         generated_tokens += row["num_completion_tokens"]
         elapsed = max(time.monotonic() - started, 1e-9)

@@ -34,7 +34,13 @@ COLUMNS = (
     "completion_hash",
 )
 
-Rows = Literal["all", "answered"]
+# Optional scalar column: the sample's thinking mode (`data.thinking_share`); without it every
+# row has the model's mode.
+MODE_COLUMN = "thinking"
+
+# Which rows a check judges: every row, the answered ones, or the answered ones of one thinking
+# mode (when a table mixes both, each mode is held to its own bounds).
+Rows = Literal["all", "answered", "thinking", "no_thinking"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,26 @@ def answered_rows(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["finish_reason"] != "error"]
 
 
+def row_modes(table: pd.DataFrame, thinking: bool) -> pd.Series:
+    """Per row, whether it was generated with thinking on: its `thinking` value, else the
+    model's mode (`thinking`)."""
+    if MODE_COLUMN not in table.columns:
+        return pd.Series(thinking, index=table.index, dtype=bool)
+    return table[MODE_COLUMN].astype("boolean").fillna(thinking).astype(bool)
+
+
+def frames(table: pd.DataFrame, thinking: bool) -> dict[str, pd.DataFrame]:
+    """The rows each kind of check judges (see `Rows`)."""
+    answered = answered_rows(table)
+    mode = row_modes(answered, thinking)
+    return {
+        "all": table,
+        "answered": answered,
+        "thinking": answered[mode],
+        "no_thinking": answered[~mode],
+    }
+
+
 def define_checks(
     table: pd.DataFrame,
     quality: Mapping[str, Any],
@@ -100,12 +126,18 @@ def define_checks(
 ) -> list[Check]:
     """The checks for this table under the thresholds of `conf/quality` (`params["quality"]`).
 
-    `table` is needed only for data-dependent arguments (the most common supervised-token count).
-    The row-count check is defined only when `expected_rows` is given (validate knows the curated
-    count; the online guard does not). The think-block check only when thinking is on.
+    `table` is needed only for data-dependent arguments (the most common supervised-token count)
+    and the thinking modes it holds. The row-count check is defined only when `expected_rows` is
+    given (validate knows the curated count; the online guard does not). The think-block check
+    only for rows with thinking on. A table that mixes both modes (`data.thinking_share`) holds
+    each to its own bounds: the think block for thinking rows only, and completion lengths per
+    mode (`no_thinking_completion_length_quantiles` for the rows without thinking); the checks
+    of the mode that is not the model's own carry its name as a suffix.
     """
     q = _Thresholds(quality)
-    answered = answered_rows(table)
+    by_rows = frames(table, thinking)
+    answered = by_rows["answered"]
+    mixed = bool(len(by_rows["thinking"])) and bool(len(by_rows["no_thinking"]))
     checks: list[Check] = []
 
     if expected_rows is not None:
@@ -218,14 +250,15 @@ def define_checks(
             gx_observed=_gx_unexpected_share,
         )
     )
-    if thinking:
+    if thinking or mixed:
         min_think = q.share("min_think_block_share")
+        suffix = "" if thinking else "_thinking"
         checks.append(
             Check(
-                name="think_block_share",
+                name=f"think_block_share{suffix}",
                 description="answered samples with a <think>...</think> block (thinking is on)",
                 bound=f">= {min_think:.2f} of answered samples",
-                rows="answered",
+                rows="thinking" if mixed else "answered",
                 measure=lambda t: _share(t["has_think_block"].astype(bool)),
                 accept=lambda v: v >= min_think,
                 expectation="ExpectColumnValuesToBeInSet",
@@ -234,7 +267,7 @@ def define_checks(
             )
         )
     min_answer = q.share("min_answer_share")
-    after = "after </think> " if thinking else ""
+    after = "after </think> " if thinking or mixed else ""
     checks.append(
         Check(
             name="answer_share",
@@ -248,9 +281,22 @@ def define_checks(
             gx_observed=_gx_expected_share,
         )
     )
-    # One GX expectation for all quantiles (GX 1.24.1 computes only the first of several
-    # quantile expectations on one column in a suite); each check reads its own part.
-    ranges = q.quantile_ranges()
+    if not mixed:
+        own = "thinking" if thinking else "no_thinking"
+        checks += _length_checks(q.quantile_ranges(own), "answered", "")
+    else:
+        for kind in ("thinking", "no_thinking"):
+            suffix = "" if (kind == "thinking") == thinking else f"_{kind}"
+            checks += _length_checks(q.quantile_ranges(kind), kind, suffix)  # type: ignore[arg-type]
+    return checks
+
+
+def _length_checks(
+    ranges: list[tuple[float, tuple[float, float]]], rows: Rows, suffix: str
+) -> list[Check]:
+    """Completion-length quantiles of `rows`. One GX expectation for all of them (GX 1.24.1
+    computes only the first of several quantile expectations on one column in a suite); each
+    check reads its own part."""
     quantile_kwargs = {
         "column": "num_completion_tokens",
         "quantile_ranges": {
@@ -258,22 +304,22 @@ def define_checks(
             "value_ranges": [[low, high] for _, (low, high) in ranges],
         },
     }
-    for part, (quantile, (low, high)) in enumerate(ranges):
-        checks.append(
-            Check(
-                name=f"completion_tokens_q{round(quantile * 100):02d}",
-                description=f"{quantile:g} quantile of completion length (num_completion_tokens)",
-                bound=f"between {low:g} and {high:g} tokens",
-                rows="answered",
-                measure=lambda t, q_=quantile: _quantile(t["num_completion_tokens"], q_),
-                accept=lambda v, lo=low, hi=high: lo <= v <= hi,
-                expectation="ExpectColumnQuantileValuesToBeBetween",
-                kwargs=quantile_kwargs,
-                gx_part=part,
-                gx_observed=lambda r, i=part: _gx_quantile(r, i),
-            )
+    mode = f", {suffix[1:].replace('_', ' ')} rows" if suffix else ""
+    return [
+        Check(
+            name=f"completion_tokens_q{round(quantile * 100):02d}{suffix}",
+            description=f"{quantile:g} quantile of completion length (num_completion_tokens{mode})",
+            bound=f"between {low:g} and {high:g} tokens",
+            rows=rows,
+            measure=lambda t, q_=quantile: _quantile(t["num_completion_tokens"], q_),
+            accept=lambda v, lo=low, hi=high: lo <= v <= hi,
+            expectation="ExpectColumnQuantileValuesToBeBetween",
+            kwargs=quantile_kwargs,
+            gx_part=part,
+            gx_observed=lambda r, i=part: _gx_quantile(r, i),
         )
-    return checks
+        for part, (quantile, (low, high)) in enumerate(ranges)
+    ]
 
 
 def run_checks(
@@ -291,8 +337,8 @@ def run_checks(
             "('Generated table'); regenerate it with the current `draftline generate`"
         )
     checks = define_checks(table, quality, thinking=thinking, expected_rows=expected_rows)
-    answered = answered_rows(table)
-    return [c.evaluate(table if c.rows == "all" else answered) for c in checks]
+    by_rows = frames(table, thinking)
+    return [c.evaluate(by_rows[c.rows]) for c in checks]
 
 
 def failures(results: Sequence[CheckResult]) -> list[CheckResult]:
@@ -335,12 +381,17 @@ class _Thresholds:
     def int(self, key: str) -> int:
         return int(self._get(key))
 
-    def quantile_ranges(self) -> list[tuple[float, tuple[float, float]]]:
-        spec = self._get("completion_length_quantiles")
+    def quantile_ranges(self, mode: str = "thinking") -> list[tuple[float, tuple[float, float]]]:
+        """Completion-length bounds of a thinking mode: rows without thinking take
+        `no_thinking_completion_length_quantiles` when set."""
+        key = "completion_length_quantiles"
+        if mode == "no_thinking" and self._q.get(f"no_thinking_{key}"):
+            key = f"no_thinking_{key}"
+        spec = self._get(key)
         quantiles, ranges = list(spec["quantiles"]), list(spec["ranges"])
         if len(quantiles) != len(ranges):
             raise ValueError(
-                "quality.completion_length_quantiles: quantiles and ranges differ in length "
+                f"quality.{key}: quantiles and ranges differ in length "
                 f"({len(quantiles)} vs {len(ranges)})"
             )
         return [

@@ -54,7 +54,7 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
     tables = []
     for path in tqdm(paths, desc="validate: read", unit="shard", disable=not progress):
         names = set(pq.read_schema(path).names)
-        wanted = [c for c in checks.COLUMNS if c in names]
+        wanted = [c for c in (*checks.COLUMNS, checks.MODE_COLUMN) if c in names]
         missing = sorted(set(checks.COLUMNS) - names - {"completion_hash"})
         if missing:
             raise SystemExit(
@@ -71,8 +71,12 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
             table = table.append_column("completion_hash", _hash_completions(path))
         shard = int(path.stem.split("-")[1])
         table = table.append_column("shard", pa.array(np.full(len(table), shard, np.int32)))
-        tables.append(table.select([*checks.COLUMNS, "shard"]))
-    return pa.concat_tables(tables).to_pandas() if tables else pd.DataFrame(columns=checks.COLUMNS)
+        if checks.MODE_COLUMN not in names:  # written before thinking modes: the model's mode
+            table = table.append_column(checks.MODE_COLUMN, pa.nulls(len(table), pa.bool_()))
+        tables.append(table.select([*checks.COLUMNS, checks.MODE_COLUMN, "shard"]))
+    if not tables:
+        return pd.DataFrame(columns=[*checks.COLUMNS, checks.MODE_COLUMN])
+    return pa.concat_tables(tables).to_pandas()
 
 
 def _hash_completions(path: Path) -> Any:

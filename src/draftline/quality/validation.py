@@ -31,7 +31,12 @@ from draftline.runtime import atomic
 
 log = logging.getLogger(__name__)
 
-SUITES = {"all": "draftline_all_rows", "answered": "draftline_answered_rows"}
+SUITES = {
+    "all": "draftline_all_rows",
+    "answered": "draftline_answered_rows",
+    "thinking": "draftline_thinking_rows",
+    "no_thinking": "draftline_no_thinking_rows",
+}
 DOCS_SITE = "draftline"
 
 
@@ -55,7 +60,7 @@ def run_suite(
     defined = checks.define_checks(
         table, quality_cfg, thinking=thinking, expected_rows=expected_rows
     )
-    frames = {"all": table, "answered": checks.answered_rows(table)}
+    frames = checks.frames(table, thinking)
     report = Path(report_dir)
     docs_dir = report / "data_docs"
     gx_results: dict[str, dict[str, Any]] = {}

@@ -22,8 +22,8 @@ from draftline.runtime.atomic import write_text
 
 # The figures that compare drafters; per-position acceptance and the commit histogram are plots.
 RESULT_KEYS = (
-    "tau", "tau_untrained", "tau_ratio", "tau_sampled", "tau_sampled_untrained", "tau_per_cycle",
-    "num_prompts", "continuation_tokens_mean",
+    "tau", "tau_untrained", "tau_ratio", "tau_sampled", "tau_sampled_untrained", "tau_thinking",
+    "tau_no_thinking", "tau_per_cycle", "num_prompts", "continuation_tokens_mean",
 )  # fmt: skip
 
 
@@ -36,18 +36,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", default="plots/evaluate", help="folder of plot CSVs")
 
 
-def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
-    """Prompt ids of the first `max_prompts` rows by id (the table is sorted by id)."""
+def held_out_rows(path: Path, max_prompts: int) -> list[dict[str, Any]]:
+    """The first `max_prompts` rows by id with a prompt: `prompt_ids` and `thinking` (the
+    sample's thinking mode; None in tables written before modes were recorded)."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
         raise SystemExit(f"evaluate: {path} not found: run `dvc repro generate_eval`")
-    rows = pq.read_table(path, columns=["id", "prompt_ids"]).to_pylist()
+    names = set(pq.read_schema(path).names)
+    columns = ["id", "prompt_ids", *(["thinking"] if "thinking" in names else [])]
+    rows = pq.read_table(path, columns=columns).to_pylist()
     rows.sort(key=lambda r: r["id"])
-    prompts = [list(r["prompt_ids"]) for r in rows[:max_prompts] if r["prompt_ids"]]
-    if not prompts:
+    kept = [{"thinking": None, **r} for r in rows if r["prompt_ids"]][:max_prompts]
+    if not kept:
         raise SystemExit(f"evaluate: {path} has no prompts")
-    return prompts
+    return kept
+
+
+def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
+    """Prompt ids of the first `max_prompts` rows by id (the table is sorted by id)."""
+    return [list(r["prompt_ids"]) for r in held_out_rows(path, max_prompts)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"evaluate: no drafter in {args.drafter}: run `dvc repro train`")
 
-    prompts = held_out_prompts(Path(args.eval), int(ev["max_prompts"]))
+    held_out = held_out_rows(Path(args.eval), int(ev["max_prompts"]))
+    prompts = [list(r["prompt_ids"]) for r in held_out]
     target = load_model(model_cfg, device=str(device), dtype=execution.precision)
     eot = special_token_id(load_tokenizer(model_cfg), str(model_cfg["end_of_turn_token"]))
     batch = execution.local_batch_size
@@ -102,6 +111,15 @@ def run(args: argparse.Namespace) -> int:
         for name, drafter in (("trained", trained), ("untrained", untrained))
     }
     result = metrics(reports, continuations, profile)
+    # A thinking mix (data.thinking_share): greedy tau of each mode, as each is served.
+    modes = [r["thinking"] for r in held_out]
+    if True in modes and False in modes:
+        for mode, key in ((True, "tau_thinking"), (False, "tau_no_thinking")):
+            picked = [i for i, m in enumerate(modes) if m is mode]
+            subset = evaluate_drafter(
+                trained, [sequences[i] for i in picked], [features[i] for i in picked]
+            )
+            result[key] = subset.tau
     run_log.write(args, "evaluate", result, RESULT_KEYS)
     write_plots(Path(args.plots), reports)
     print(

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template_sha256=hashlib.sha256(
             str(tokenizer.chat_template or "").encode("utf-8")
         ).hexdigest(),
+        thinking_share=float((p.get("data") or {}).get("thinking_share", 1.0)),
     )
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
     extra = {**hardware.describe(profile), **params.identity(p)}
