@@ -274,3 +274,19 @@ def test_truncation_inside_an_opened_think_aborts_naming_max_new_tokens():
     assert seen <= 100
     assert f"100% of responses hit max_new_tokens={MAX_NEW}" in message
     assert "inside an unclosed <think>" in message
+
+
+def test_a_thinking_mix_is_judged_per_mode_and_blames_the_non_thinking_replies():
+    """data.thinking_share: every other sample without thinking. Healthy replies in both modes
+    pass; when only the non-thinking replies are empty, the guard says so."""
+
+    def mixed(i: int, bad: bool = False) -> dict:
+        if i % 2:
+            return {**(empty(i) if bad else healthy(i, thinking=False)), "thinking": False}
+        return {**healthy(i), "thinking": True}
+
+    assert feed(make_guard(), (mixed(i) for i in range(400))) == 400
+    n, message = abort_of(make_guard(), (mixed(i, bad=True) for i in range(400)))
+    assert n <= 128
+    assert "supervised_tokens_min_no_thinking" in message
+    assert "generated with thinking off (data.thinking_share)" in message

@@ -248,3 +248,18 @@ def test_non_thinking_rows_take_their_own_length_bounds(default_quality):
     }  # fmt: skip
     failed = failed_names(mixed_modes(samples_frame(400)), quality)
     assert failed == {"completion_tokens_q50_no_thinking"}
+
+
+def test_short_non_thinking_replies_fail_their_own_supervised_check_unless_bounded(
+    default_quality,
+):
+    """Replies without thinking are short: in a mix they fail `supervised_tokens_min_no_thinking`
+    (not the thinking rows' check) until `no_thinking_min_supervised_tokens` says what is enough."""
+    table = mixed_modes(samples_frame(400), share_off=0.5)
+    off = table["thinking"] == False  # noqa: E712
+    table.loc[off, "loss_mask_sum"] = 10
+    failed = failed_names(table, default_quality)
+    assert "supervised_tokens_min_no_thinking" in failed
+    assert "supervised_tokens_min" not in failed
+    bounded = {**default_quality, "no_thinking_min_supervised_tokens": 8}
+    assert "supervised_tokens_min_no_thinking" not in failed_names(table, bounded)

@@ -78,6 +78,17 @@ class Guard:
         answered = table[table["finish_reason"] != "error"]
         if "error_share" in names and len(answered) < len(table) / 2:
             return "most requests fail: the engine or server is broken (see its log under logs/)"
+        # A mix whose non-thinking rows fail their own checks while the thinking rows pass
+        # theirs (checks over all rows, such as the mode share, may fail with them).
+        per_mode = {n for n in names if n.startswith(("supervised_tokens_min", "completion_tok"))}
+        if any(n.endswith("_no_thinking") for n in names) and all(
+            n.endswith("_no_thinking") for n in per_mode | (names & {"think_block_share"})
+        ):
+            return (
+                "the samples generated with thinking off (data.thinking_share) fail their own "
+                "checks: this target answers briefly or not at all without thinking; raise "
+                "data.thinking_share, or set the quality.no_thinking_* bounds for its replies"
+            )
         truncated = float((answered["finish_reason"] == "length").mean()) if len(answered) else 0
         unclosed = (
             float(((~answered["has_think_block"]) & (answered["think_tokens"] > 0)).mean())

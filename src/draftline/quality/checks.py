@@ -182,22 +182,27 @@ def define_checks(
         )
     )
 
-    min_tokens = q.int("min_supervised_tokens")
     min_supervised = q.share("min_share_supervised")
-    checks.append(
-        Check(
-            name="supervised_tokens_min",
-            description=f"answered samples with at least {min_tokens} supervised tokens "
-            "(loss_mask_sum)",
-            bound=f">= {min_supervised:.2f} of answered samples",
-            rows="answered",
-            measure=lambda t: _share(t["loss_mask_sum"] >= min_tokens),
-            accept=lambda v: v >= min_supervised,
-            expectation="ExpectColumnValuesToBeBetween",
-            kwargs={"column": "loss_mask_sum", "min_value": min_tokens, "mostly": min_supervised},
-            gx_observed=_gx_expected_share,
+    for kind, suffix in _mode_rows(thinking, mixed):
+        min_tokens = q.int("min_supervised_tokens", kind)
+        checks.append(
+            Check(
+                name=f"supervised_tokens_min{suffix}",
+                description=f"answered samples with at least {min_tokens} supervised tokens "
+                "(loss_mask_sum" + (f", {suffix[1:].replace('_', ' ')} rows)" if suffix else ")"),
+                bound=f">= {min_supervised:.2f} of answered samples",
+                rows=kind,
+                measure=lambda t, n=min_tokens: _share(t["loss_mask_sum"] >= n),
+                accept=lambda v: v >= min_supervised,
+                expectation="ExpectColumnValuesToBeBetween",
+                kwargs={
+                    "column": "loss_mask_sum",
+                    "min_value": min_tokens,
+                    "mostly": min_supervised,
+                },  # fmt: skip
+                gx_observed=_gx_expected_share,
+            )
         )
-    )
     mode = _mode(answered["loss_mask_sum"])
     max_mode = q.share("max_mode_share")
     checks.append(
@@ -281,14 +286,21 @@ def define_checks(
             gx_observed=_gx_expected_share,
         )
     )
-    if not mixed:
-        own = "thinking" if thinking else "no_thinking"
-        checks += _length_checks(q.quantile_ranges(own), "answered", "")
-    else:
-        for kind in ("thinking", "no_thinking"):
-            suffix = "" if (kind == "thinking") == thinking else f"_{kind}"
-            checks += _length_checks(q.quantile_ranges(kind), kind, suffix)  # type: ignore[arg-type]
+    for kind, suffix in _mode_rows(thinking, mixed):
+        checks += _length_checks(q.quantile_ranges(kind), kind, suffix)
     return checks
+
+
+def _mode_rows(thinking: bool, mixed: bool) -> list[tuple[Rows, str]]:
+    """(rows, name suffix) of the checks held per thinking mode: all answered rows under the
+    model's mode, or each mode's rows when the table mixes them (the suffix names the mode that
+    is not the model's own)."""
+    if not mixed:
+        return [("answered", "")]
+    return [
+        (kind, "" if (kind == "thinking") == thinking else f"_{kind}")
+        for kind in ("thinking", "no_thinking")
+    ]
 
 
 def _length_checks(
@@ -378,15 +390,18 @@ class _Thresholds:
             raise ValueError(f"quality.{key}={value} must be a share between 0 and 1")
         return value
 
-    def int(self, key: str) -> int:
-        return int(self._get(key))
+    def int(self, key: str, rows: str = "answered") -> int:
+        return int(self._get(self._for(key, rows)))
 
-    def quantile_ranges(self, mode: str = "thinking") -> list[tuple[float, tuple[float, float]]]:
-        """Completion-length bounds of a thinking mode: rows without thinking take
-        `no_thinking_completion_length_quantiles` when set."""
-        key = "completion_length_quantiles"
-        if mode == "no_thinking" and self._q.get(f"no_thinking_{key}"):
-            key = f"no_thinking_{key}"
+    def _for(self, key: str, rows: str) -> str:
+        """The key that holds a bound for `rows`: rows without thinking take
+        `no_thinking_<key>` when it is set."""
+        if rows == "no_thinking" and self._q.get(f"no_thinking_{key}") is not None:
+            return f"no_thinking_{key}"
+        return key
+
+    def quantile_ranges(self, rows: str = "answered") -> list[tuple[float, tuple[float, float]]]:
+        key = self._for("completion_length_quantiles", rows)
         spec = self._get(key)
         quantiles, ranges = list(spec["quantiles"]), list(spec["ranges"])
         if len(quantiles) != len(ranges):
