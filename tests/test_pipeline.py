@@ -396,7 +396,7 @@ def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin,
     repo, _ = twin
     bad = copy_project(tmp_path / "bad")
     shutil.copytree(repo / "data/curated", bad / "data/curated")
-    shutil.copytree(repo / "metrics", bad / "metrics")
+    shutil.copytree(repo / "metrics", bad / "metrics", dirs_exist_ok=True)
     (bad / "data/generated/train").mkdir(parents=True)
     frames = ok_answers(repo)
     for shard, frame in frames:
