@@ -14,7 +14,7 @@ inference is the same call with one block whose anchor is the context length.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -147,9 +147,6 @@ class DFlashConfig:
         flat["target_layer_ids"] = list(layer_ids)
         flat["rope_theta"] = _rope_theta(data)
         return cls(**flat)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _rope_theta(config: dict[str, Any]) -> float:
@@ -327,6 +324,17 @@ def dense_block_attention(
 ATTENTION_IMPLEMENTATIONS = {"blockwise": block_prefix_attention, "dense": dense_block_attention}
 
 
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every layer's attention takes besides the block states."""
+
+    context: torch.Tensor  # [b, T, H] fused context (keys/values only)
+    rope_block: tuple[torch.Tensor, torch.Tensor]  # cos/sin at the block positions
+    rope_context: tuple[torch.Tensor, torch.Tensor]  # cos/sin at the context positions
+    anchors: torch.Tensor  # [b, N]
+    attend: Callable[..., torch.Tensor] = block_prefix_attention
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose keys/values are [fused context ; block] and queries the block."""
 
@@ -344,27 +352,20 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope_block: tuple[torch.Tensor, torch.Tensor],
-        rope_context: tuple[torch.Tensor, torch.Tensor],
-        anchors: torch.Tensor,
-        attend: Callable[..., torch.Tensor] = block_prefix_attention,
-    ) -> torch.Tensor:
-        """x: [b, N, S, H] block states; context: [b, T, H] fused context."""
+    def forward(self, x: torch.Tensor, blocks: BlockInputs) -> torch.Tensor:
+        """x: [b, N, S, H] block states; keys/values also from `blocks.context`."""
         b, n, s, _ = x.shape
+        context = blocks.context
         t = context.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, n, s, self.num_heads, self.head_dim))
         k_block = self.k_norm(self.k_proj(x).view(b, n, s, self.num_kv_heads, self.head_dim))
         v_block = self.v_proj(x).view(b, n, s, self.num_kv_heads, self.head_dim)
         k_ctx = self.k_norm(self.k_proj(context).view(b, t, self.num_kv_heads, self.head_dim))
         v_ctx = self.v_proj(context).view(b, t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, *rope_block)
-        k_block = apply_rope(k_block, *rope_block)
-        k_ctx = apply_rope(k_ctx, *rope_context)
-        out = attend(q, k_block, v_block, k_ctx, v_ctx, anchors, self.scaling)
+        q = apply_rope(q, *blocks.rope_block)
+        k_block = apply_rope(k_block, *blocks.rope_block)
+        k_ctx = apply_rope(k_ctx, *blocks.rope_context)
+        out = blocks.attend(q, k_block, v_block, k_ctx, v_ctx, blocks.anchors, self.scaling)
         return self.o_proj(out.reshape(b, n, s, self.num_heads * self.head_dim))
 
 
@@ -392,18 +393,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope_block: tuple[torch.Tensor, torch.Tensor],
-        rope_context: tuple[torch.Tensor, torch.Tensor],
-        anchors: torch.Tensor,
-        attend: Callable[..., torch.Tensor] = block_prefix_attention,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(
-            self.input_layernorm(x), context, rope_block, rope_context, anchors, attend
-        )
+    def forward(self, x: torch.Tensor, blocks: BlockInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), blocks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -443,9 +434,8 @@ class DFlashDrafter(nn.Module):
 
     def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[..., S] block ids `[anchor token, MASK x (S-1)]` for anchor tokens [...]."""
-        s = self.config.block_size
-        ids = torch.full((*anchor_ids.shape, s), self.config.mask_token_id, dtype=torch.long)
-        ids = ids.to(anchor_ids.device)
+        shape = (*anchor_ids.shape, self.config.block_size)
+        ids = torch.full(shape, self.config.mask_token_id, device=anchor_ids.device)
         ids[..., 0] = anchor_ids
         return ids
 
@@ -469,17 +459,13 @@ class DFlashDrafter(nn.Module):
         s = block_ids.shape[-1]
         context = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
         x = F.embedding(block_ids, self.target.embed_weight).to(context.dtype)
-        block_positions = anchors[..., None] + torch.arange(s, device=anchors.device)
-        context_positions = torch.arange(t, device=context.device)
-        rope_block = rope_cos_sin(
-            block_positions, self.config.head_dim, self.config.rope_theta, context.dtype
-        )
-        rope_context = rope_cos_sin(
-            context_positions, self.config.head_dim, self.config.rope_theta, context.dtype
-        )
-        rope_context = (rope_context[0][None], rope_context[1][None])
+        c = self.config
+        rope = partial(rope_cos_sin, head_dim=c.head_dim, theta=c.rope_theta, dtype=context.dtype)
+        rope_block = rope(anchors[..., None] + torch.arange(s, device=anchors.device))
+        cos, sin = rope(torch.arange(t, device=context.device))
+        blocks = BlockInputs(context, rope_block, (cos[None], sin[None]), anchors, self._attend())
         for layer in self.layers:
-            x = layer(x, context, rope_block, rope_context, anchors, self._attend())
+            x = layer(x, blocks)
         return self.norm(x)
 
     def _attend(self) -> Callable[..., torch.Tensor]:
@@ -504,7 +490,3 @@ class DFlashDrafter(nn.Module):
         block = self.block_input_ids(anchor)
         hidden = self.forward(feats, block, torch.tensor([[t]], device=feats.device))
         return self.logits(hidden[0, 0, 1:]).argmax(-1)
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
