@@ -1,7 +1,9 @@
 """The curate library and stage on small synthetic inputs written in tmp_path, with the real tiny
 target tokenizer (models/tiny-target): every input format and container, normalisation, ids,
-dedupe, every reject reason, the reject-rate failure, byte-identical reruns, stable splits, and
-the fast rendering/counting paths against the chat template and the tokenizer themselves."""
+dedupe, every reject reason, the reject-rate failure, byte-identical reruns, stable splits, the
+fast rendering/counting paths against the chat template and the tokenizer themselves, and tool
+turns and calls (kept, stored and read back; refused by a template that cannot render them, the
+tiny target's; rendered by one that can, models/tiny-qwen36's)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ import yaml
 
 from draftline.core.target import load_tokenizer, prompt_ids, render_prompt
 from draftline.data import curation
-from draftline.data.conversations import REASONS, normalise, read_rows
+from draftline.data.conversations import (
+    REASONS,
+    Rejection,
+    messages_from_records,
+    messages_to_records,
+    normalise,
+    read_rows,
+)
 from draftline.data.curation import CurateSettings, conversation_id, curate
 from draftline.data.prompt_tokens import ByteLevelTokenCounter, PromptTokenCounter
 from draftline.stages import curate as stage
@@ -86,9 +95,13 @@ def _default_counter() -> PromptTokenCounter:
 
 
 def kept_rows(out: Path) -> list[dict[str, Any]]:
+    """Kept rows, their messages read back as the generation stage reads them."""
     tables = [pq.read_table(p) for p in sorted((out / "train").glob("*.parquet"))]
     tables.append(pq.read_table(out / "eval.parquet"))
-    return [row for t in tables for row in t.to_pylist()]
+    rows = [row for t in tables for row in t.to_pylist()]
+    for row in rows:
+        row["messages"] = messages_from_records(row["messages"])
+    return rows
 
 
 def rejected_rows(out: Path) -> list[dict[str, Any]]:
@@ -97,6 +110,24 @@ def rejected_rows(out: Path) -> list[dict[str, Any]]:
 
 def msg(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
+
+
+def call(name: str, arguments: Any, **extra: Any) -> dict[str, Any]:
+    """An OpenAI-style tool call."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}, **extra}
+
+
+def calling(*calls: dict[str, Any], content: str = "") -> dict[str, Any]:
+    """An assistant message that calls tools."""
+    return {"role": "assistant", "content": content, "tool_calls": list(calls)}
+
+
+# A conversation with a tool call and its result, normalised: the tiny target cannot render it.
+TOOL_CONVERSATION = [
+    msg("user", "Weather in Paris?"),
+    calling(call("get_weather", {"city": "Paris"})),
+    msg("tool", "sunny, 21C"),
+]
 
 
 # One conversation per style, with what it normalises to.
@@ -272,6 +303,19 @@ def test_id_is_the_hash_of_the_normalised_messages(tmp_path):
     assert result.rows_kept == 1 and result.rejected == {"duplicate": 1}
 
 
+def test_ids_of_conversations_without_tools_are_pinned():
+    # Ids computed before tool turns were accepted: the committed curated data depends on them.
+    plain = {"messages": [msg("user", "What is 2+2?"), msg("assistant", "4"),
+                          msg("user", "And 3+3?")]}  # fmt: skip
+    prompt = {"system": "Be brief.", "conversations": [{"from": "human", "value": "Hi"}]}
+    for row, pinned in ((plain, "559b6262581524f6"), (prompt, "158ab9a5f9ffbe1e")):
+        messages = normalise(row)
+        assert isinstance(messages, list) and conversation_id(messages) == pinned
+        # Role and content only, in memory and as read back from the table.
+        assert all(set(m) == {"role", "content"} for m in messages)
+        assert messages_from_records(messages_to_records(messages)) == messages
+
+
 def test_dedupe_keeps_the_first_occurrence_across_chunks_and_files(tmp_path):
     rows = [{"prompt": f"question {i % 7}"} for i in range(30)]
     first = write_rows(tmp_path / "in" / "1.jsonl", rows)
@@ -314,6 +358,7 @@ def bad_rows_by_reason() -> dict[str, list[str]]:
         "no_user_turn": ['{"conversations": [{"from": "gpt", "value": "unprompted"}]}',
                          '{"system": "only a system prompt", "messages": []}'],
         "duplicate": ['{"prompt": "a good row"}'],
+        "template_rejects": [json.dumps({"messages": TOOL_CONVERSATION})],
         "prompt_too_long": [json.dumps({"prompt": long_words}),
                             json.dumps({"prompt": " ".join(["far"] * 5000)})],
     }  # fmt: skip
@@ -344,6 +389,7 @@ def test_every_reject_reason_is_recorded_per_row(tmp_path):
     assert result.metrics()["rejected_by_reason"] == {r: len(bad[r]) for r in REASONS}
     details = {r["reason"]: r["detail"] for r in reversed(rejected)}  # the first of each
     assert details["unknown_role"] == "turn 0: role 'narrator'"
+    assert details["template_rejects"] == "unknown role tool: use system, user or assistant"
     too_long = [r["detail"] for r in rejected if r["reason"] == "prompt_too_long"]
     prompt = json.loads(bad["prompt_too_long"][0])["prompt"]
     n = len(prompt_ids(_default_counter().tokenizer, [msg("user", prompt)], THINKING))
@@ -395,6 +441,214 @@ def test_raw_text_of_rejected_rows_from_every_container(tmp_path):
     for path in sorted((tmp_path / "in").iterdir()):
         [raw_row] = read_rows(path)
         assert json.loads(raw_row.raw_text()) == row
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool turns and tool calls.
+
+
+@pytest.fixture(scope="module")
+def qwen36_counter() -> PromptTokenCounter:
+    """models/tiny-qwen36: its template renders `tool` turns (and ignores tool calls)."""
+    path = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen36"
+    return PromptTokenCounter(load_tokenizer({"path": str(path)}), THINKING, BUDGET)
+
+
+def weather_rows() -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+    """Tool conversations as OpenAI and ShareGPT rows, with what each normalises to."""
+    openai = {"messages": [
+        msg("system", "You can call tools."),
+        msg("user", "Weather in Paris and Rome?"),
+        {"role": "assistant", "content": None, "tool_calls": [
+            call("get_weather", '{"city": "Paris"}', id="call_1"),
+            call("get_weather", {"city": "Rome", "units": ["C", 1, None]}, id="call_2")]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain, 15C"},
+        msg("assistant", "Paris is sunny, Rome is wet."),
+        msg("user", "And tomorrow in Paris?"),
+        {"role": "assistant", "content": " Let me check. ", "tool_calls": [
+            call("forecast", '{"city": "Paris", "days": 1}')]},
+        {"role": "tool", "content": "clouds"},
+        msg("assistant", "Cloudy."),  # after the last tool turn: regenerated, dropped
+    ]}  # fmt: skip
+    openai_expected = [
+        msg("system", "You can call tools."),
+        msg("user", "Weather in Paris and Rome?"),
+        calling(call("get_weather", {"city": "Paris"}, id="call_1"),
+                call("get_weather", {"city": "Rome", "units": ["C", 1, None]}, id="call_2")),
+        msg("tool", "sunny, 21C"),
+        msg("tool", "rain, 15C"),
+        msg("assistant", "Paris is sunny, Rome is wet."),
+        msg("user", "And tomorrow in Paris?"),
+        calling(call("forecast", {"city": "Paris", "days": 1}), content="Let me check."),
+        msg("tool", "clouds"),
+    ]  # fmt: skip
+    # ShareGPT-style (LLaMA-Factory): a call turn's value is the call as JSON (here arguments as
+    # text holding an object); tool results are `observation` (or `function`, `ipython`).
+    sharegpt = {"conversations": [
+        {"from": "human", "value": "Convert 3 km."},
+        {"from": "function_call",
+         "value": json.dumps({"name": "convert", "arguments": '{"km": 3, "to": "mi"}'})},
+        {"from": "observation", "value": "1.86"},
+        {"from": "gpt", "value": "About 1.86 miles."},
+        {"from": "human", "value": "And 5 km, in both units?"},
+        {"from": "function_call", "value": json.dumps(
+            [{"name": "convert", "arguments": {"km": 5, "to": "mi"}},
+             {"name": "convert", "arguments": {"km": 5, "to": "ft"}}])},
+        {"from": "function", "value": "3.11"},
+        {"from": "ipython", "value": "16404"},
+    ]}  # fmt: skip
+    sharegpt_expected = [
+        msg("user", "Convert 3 km."),
+        calling(call("convert", {"km": 3, "to": "mi"})),
+        msg("tool", "1.86"),
+        msg("assistant", "About 1.86 miles."),
+        msg("user", "And 5 km, in both units?"),
+        calling(call("convert", {"km": 5, "to": "mi"}), call("convert", {"km": 5, "to": "ft"})),
+        msg("tool", "3.11"),
+        msg("tool", "16404"),
+    ]  # fmt: skip
+    return [openai, sharegpt], [openai_expected, sharegpt_expected]
+
+
+def test_tool_turns_and_calls_normalise():
+    rows, expected = weather_rows()
+    assert [normalise(r) for r in rows] == expected
+    # Arguments given as text holding an object are the object, so the same call in either
+    # style, with the same result, is the same conversation (one id, deduplicated).
+    text_args = normalise({"messages": [msg("user", "q"), calling(call("f", '{"a": 1}')),
+                                        msg("tool", "r")]})  # fmt: skip
+    flat = normalise({"conversations": [{"from": "human", "value": "q"},
+                                        {"from": "function_call",
+                                         "value": '{"name": "f", "arguments": {"a": 1}}'},
+                                        {"from": "observation", "value": "r"}]})  # fmt: skip
+    assert text_args == flat == [msg("user", "q"), calling(call("f", {"a": 1})), msg("tool", "r")]
+    # Text that is not an object stays text; absent arguments are none.
+    got = normalise({"messages": [msg("user", "q"), calling(call("run", "print(1)")),
+                                  msg("tool", "1"), calling(call("now", None)),
+                                  msg("tool", "noon")]})  # fmt: skip
+    assert isinstance(got, list)
+    assert [m["tool_calls"][0]["function"]["arguments"] for m in got[1::2]] == ["print(1)", {}]
+    # The tool_calls key is there only where there are calls (Parquet gives null or [] keys).
+    got = normalise({"messages": [{**msg("user", "q"), "tool_calls": None},
+                                  {**msg("assistant", "a"), "tool_calls": []},
+                                  msg("user", "q2")]})  # fmt: skip
+    assert got == [msg("user", "q"), msg("assistant", "a"), msg("user", "q2")]
+
+
+def test_tool_turn_order_empty_turns_and_bad_calls_are_rejected():
+    user, answer, result = msg("user", "q"), msg("assistant", "a"), msg("tool", "r")
+    calls = calling(call("f", {}))
+
+    def reason(*turns: dict[str, Any]) -> tuple[str, str] | None:
+        got = normalise({"messages": list(turns)})
+        return (got.reason, got.detail) if isinstance(got, Rejection) else None
+
+    # A tool result answers a call (or follows another result); the assistant answers a user or
+    # a tool; the user speaks first and after the assistant only.
+    assert reason(user, calls, result, result, answer, user, calls, user) is None
+    assert reason(user, result) == (
+        "broken_alternation",
+        "turn 1 is tool, expected assistant (roles: user,tool)",
+    )
+    assert reason(user, answer, result) == (
+        "broken_alternation",
+        "turn 2 is tool, expected user (roles: user,assistant,tool)",
+    )
+    assert reason(user, calls, answer, result) == (
+        "broken_alternation",
+        "turn 2 is assistant, expected user or tool (roles: user,assistant,assistant,tool)",
+    )
+    assert reason(user, calls, result, user) == (
+        "broken_alternation",
+        "turn 3 is user, expected assistant or tool (roles: user,assistant,tool,user)",
+    )
+    assert reason(msg("system", "s"), result, user) == (
+        "broken_alternation",
+        "turn 1 is tool, expected user (roles: system,tool,user)",
+    )
+    assert reason(result) == ("no_user_turn", "1 turns, none from the user")
+    # Empty: a tool result never, an assistant turn only when it calls tools.
+    assert reason(user, calls, msg("tool", " ")) == ("empty_turn", "turn 2 (tool) is empty")
+    assert reason(user, msg("assistant", ""), user) == ("empty_turn", "turn 1 (assistant) is empty")
+    # Calls that are not function calls with a name and object or text arguments.
+    bad_calls = [
+        ({**user, "tool_calls": [call("f", {})]}, "turn 1: tool_calls on a user turn"),
+        (calling({"type": "retrieval"}), "turn 1: tool call 0: type 'retrieval', not 'function'"),
+        (calling(call("", {})), "turn 1: tool call 0: name ''"),
+        (calling(call("f", [1, 2])), "turn 1: tool call 0: arguments are a JSON array"),
+        (calling(call("f", {}), "not a call"), "turn 1: tool call 1: a JSON string, not an object"),
+        ({**answer, "tool_calls": "f()"}, "turn 1: tool call 0: a JSON string, not an object"),
+    ]
+    for turn, detail in bad_calls:
+        assert reason(user, turn, result) == ("unknown_format", detail)
+    sharegpt = {"conversations": [{"from": "human", "value": "q"},
+                                  {"from": "function_call", "value": "f(1)"}]}  # fmt: skip
+    assert normalise(sharegpt) == Rejection(
+        "unknown_format", "turn 1 (function_call): tool call 0: a JSON string, not an object"
+    )
+
+
+@pytest.mark.parametrize("container", ["jsonl", "parquet"])
+def test_tool_conversations_are_kept_and_read_back(tmp_path, qwen36_counter, container):
+    rows, expected = weather_rows()
+    rows.append({"prompt": "no tools"})
+    expected.append([msg("user", "no tools")])
+    if container == "jsonl":
+        write_rows(tmp_path / "in" / "rows.jsonl", rows)
+    else:
+        # A Parquet column has one type: arguments all text, each style in a file of its own.
+        arguments = json.dumps({"city": "Rome", "units": ["C", 1, None]})
+        rows[0]["messages"][2]["tool_calls"][1]["function"]["arguments"] = arguments
+        write_rows(tmp_path / "in" / "openai.parquet", rows[:1])
+        write_rows(tmp_path / "in" / "sharegpt.parquet", rows[1:])
+    result = run([tmp_path / "in"], tmp_path / "out", counter=qwen36_counter)
+    assert result.rows_rejected == 0, rejected_rows(tmp_path / "out")
+    kept = sorted(kept_rows(tmp_path / "out"), key=lambda r: r["id"])
+    assert [r["messages"] for r in kept] == sorted(expected, key=conversation_id)
+    assert [r["id"] for r in kept] == sorted(conversation_id(m) for m in expected)
+    tokenizer = qwen36_counter.tokenizer
+    for row in kept:
+        assert row["num_turns"] == len(row["messages"])
+        assert row["num_prompt_tokens"] == len(prompt_ids(tokenizer, row["messages"], THINKING))
+    # The table holds the calls as canonical JSON text, and null where a message has none.
+    table = pq.read_table(tmp_path / "out" / "eval.parquet").to_pylist()
+    table += [r for p in (tmp_path / "out" / "train").glob("*.parquet")
+              for r in pq.read_table(p).to_pylist()]  # fmt: skip
+    stored = {r["id"]: r["messages"] for r in table}
+    first = stored[conversation_id(expected[0])]
+    assert [i for i, m in enumerate(first) if m["tool_calls"] is not None] == [2, 7]
+    assert first[7]["tool_calls"] == (
+        '[{"function":{"arguments":{"city":"Paris","days":1},"name":"forecast"},"type":"function"}]'
+    )
+    # The rendered prompt shows the tool results, ending in the generation prompt.
+    prompt = render_prompt(tokenizer, expected[1], THINKING)
+    assert "<tool_response>\n3.11\n</tool_response>\n<tool_response>\n16404" in prompt
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["formatter", "jinja"])
+def test_template_rejects_what_it_cannot_render_and_keeps_the_rest(tmp_path, tokenizer, fast):
+    # The tiny target's template raises on a tool turn: that row is refused, its neighbours in
+    # the same file and chunk (rendered in one batch with it) are kept.
+    counter = PromptTokenCounter(tokenizer, THINKING, BUDGET, fast=fast)
+    assert (counter.formatter is not None) == fast
+    rows: list[Any] = [{"prompt": f"plain {i}"} for i in range(4)]
+    rows.insert(2, {"messages": TOOL_CONVERSATION})
+    # Calls without tool turns render (this template ignores calls): kept.
+    calls_only = [msg("user", "q"), calling(call("f", {"a": 1})), msg("user", "never mind")]
+    rows.append({"messages": calls_only})
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    result = run([path], tmp_path / "out", counter=counter)
+    [rejected] = rejected_rows(tmp_path / "out")
+    assert (rejected["line"], rejected["reason"]) == (3, "template_rejects")
+    assert rejected["detail"] == "unknown role tool: use system, user or assistant"
+    assert result.rejected == {"template_rejects": 1}
+    kept = {r["id"]: r for r in kept_rows(tmp_path / "out")}
+    expected = [[msg("user", f"plain {i}")] for i in range(4)] + [calls_only]
+    assert set(kept) == {conversation_id(m) for m in expected}
+    row = kept[conversation_id(calls_only)]
+    assert row["messages"] == calls_only
+    assert row["num_prompt_tokens"] == len(prompt_ids(tokenizer, calls_only, THINKING))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,6 +770,8 @@ def test_two_runs_give_byte_identical_outputs(tmp_path, tiny_target_dir):
 def test_chunk_size_and_worker_processes_do_not_change_a_byte(tmp_path):
     mixed_input(tmp_path / "in", good=80, bad=6)
     write_rows(tmp_path / "in" / "d.jsonl", ['{"prompt": "Question 1"}'] * 3)  # duplicates
+    # Refused by the template, which a worker loads only then (the fast formatter needs none).
+    write_rows(tmp_path / "in" / "e.jsonl", [{"messages": TOOL_CONVERSATION}])
     outs = {
         "inline": run([tmp_path / "in"], tmp_path / "inline"),
         "small-chunks": run([tmp_path / "in"], tmp_path / "small-chunks", chunk_rows=7),
@@ -525,6 +781,7 @@ def test_chunk_size_and_worker_processes_do_not_change_a_byte(tmp_path):
     metrics = {name: r.metrics() for name, r in outs.items()}
     assert metrics["inline"] == metrics["small-chunks"] == metrics["two-workers"]
     assert metrics["inline"]["rejected_by_reason"]["duplicate"] > 0
+    assert metrics["inline"]["rejected_by_reason"]["template_rejects"] == 1
     files = sorted(p.relative_to(tmp_path / "inline") for p in (tmp_path / "inline").rglob("*.*"))
     for name in ("small-chunks", "two-workers"):
         for f in files:
@@ -656,6 +913,14 @@ def test_counts_survive_the_trip_to_a_worker_process(counter):
     assert copy.tokenizer is None  # the fast formatter needs no transformers in the worker
     conversations = varied_conversations(seed=5, n=50)
     assert copy.count(conversations) == counter.count(conversations)
+    assert copy.tokenizer is None
+    # A conversation with tools goes to the template, loaded in the worker on first need.
+    conversations.insert(3, TOOL_CONVERSATION)
+    counts = copy.count(conversations)
+    assert counts == counter.count(conversations) and copy.tokenizer is not None
+    assert counts[3] == Rejection(
+        "template_rejects", "unknown role tool: use system, user or assistant"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ Files are read in order and cut into chunks of rows. Each chunk is parsed, norma
 (`draftline.data.conversations`), given its id, split and shard, and token-counted, by a pool of
 worker processes when the input is big (`CurateSettings.workers`) or in this process. Then, in
 read order, each row is deduplicated against every id seen before (first occurrence wins),
-checked against the token budget, and spilled to a per-destination scratch file. At the end
-each destination (train shard k, eval, rejected) is read back on its own, sorted by id and
-written atomically, so memory holds one shard at a time and never a Python object per row of
-the whole input. Nothing depends on the chunk size or the number of workers: the outputs are
-the same bytes either way.
+dropped if the target's chat template refused it or it is over the token budget, and spilled
+to a per-destination scratch file. At the end each destination (train shard k, eval, rejected)
+is read back on its own, sorted by id and written atomically, so memory holds one shard at a
+time and never a Python object per row of the whole input. Nothing depends on the chunk size
+or the number of workers: the outputs are the same bytes either way.
 
 Split and shard come from a hash of the id salted with `split_seed`: they depend on nothing
 but the conversation itself, so adding rows never moves an existing one.
@@ -42,6 +42,7 @@ from draftline.data.conversations import (
     RowBatch,
     canonical_json,
     list_input_files,
+    messages_to_records,
     normalise,
     read_batches,
 )
@@ -50,8 +51,13 @@ from draftline.data.scratch import SeenIds, Spill
 from draftline.runtime.atomic import atomic_path, write_parquet
 
 # The list item is named "element", as Parquet names it, so a table reads back as it was written.
+# `tool_calls`: an assistant's calls as canonical JSON text, else null (one type for any calls);
+# `conversations.messages_from_records` reads a row's messages back.
 MESSAGE_TYPE = pa.list_(
-    pa.field("element", pa.struct([("role", pa.string()), ("content", pa.string())]))
+    pa.field(
+        "element",
+        pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.string())]),
+    )
 )
 CURATED_SCHEMA = pa.schema(
     [
@@ -290,7 +296,8 @@ class _ChunkWork:
     rejected: list[tuple[int, Rejection]]  # (row in chunk, why) for rows that do not normalise
     rows: list[int]  # row in chunk of each normalised row, in order
     table: pa.Table  # the normalised rows (CURATED_SCHEMA), in order
-    over: dict[int, str]  # position in `rows` -> detail, for rows over the token budget
+    # position in `rows` -> why, for rows the template refuses or that are over the token budget
+    refused: dict[int, Rejection]
 
 
 def _work_chunk(
@@ -317,25 +324,37 @@ def _work_chunk(
         assign_split(i, settings.eval_fraction, settings.num_shards, settings.split_seed)
         for i in ids
     ]
-    over: dict[int, str] = {}
-    budget = settings.max_prompt_tokens
-    for position, (n, exact) in enumerate(counts):
-        if n > budget:
-            bound = "" if exact else "at least "
-            over[position] = f"{bound}{n} tokens > data.max_prompt_tokens={budget}"
+    refused: dict[int, Rejection] = {}
+    for position, count in enumerate(counts):
+        refusal = _refusal(count, settings.max_prompt_tokens)
+        if refusal is not None:
+            refused[position] = refusal
     table = pa.Table.from_pydict(
         {
             "id": ids,
-            "messages": messages,
+            "messages": [messages_to_records(m) for m in messages],
             "num_turns": [len(m) for m in messages],
-            "num_prompt_tokens": [n for n, _ in counts],
+            # A refused row's count is never kept: 0 stands in for the template's rejection.
+            "num_prompt_tokens": [0 if isinstance(c, Rejection) else c[0] for c in counts],
             "source": sources,
             "split": [s for s, _ in splits],
             "shard": [k for _, k in splits],
         },
         schema=CURATED_SCHEMA,
     )
-    return _ChunkWork(rejected, rows, table, over)
+    return _ChunkWork(rejected, rows, table, refused)
+
+
+def _refusal(count: tuple[int, bool] | Rejection, budget: int) -> Rejection | None:
+    """Why a normalised row cannot be kept whatever else was read: the template refuses it, or
+    its prompt is over the token budget."""
+    if isinstance(count, Rejection):
+        return count
+    n, exact = count
+    if n <= budget:
+        return None
+    bound = "" if exact else "at least "
+    return Rejection("prompt_too_long", f"{bound}{n} tokens > data.max_prompt_tokens={budget}")
 
 
 # Set in each worker process by `_init_worker`.
@@ -400,7 +419,7 @@ def _keep_or_reject(
     spill: Spill,
     seen: SeenIds,
 ) -> np.ndarray:
-    """Deduplicate and budget-check one worked chunk, in row order, and spill it.
+    """Deduplicate one worked chunk and drop its refused rows, in row order, and spill it.
 
     Returns the prompt-token counts of the rows it kept.
     """
@@ -424,9 +443,9 @@ def _keep_or_reject(
         if first is not None:
             keep[position] = False
             rejected.append((row, Rejection("duplicate", f"id {conv_id}, first at {first}")))
-        elif position in work.over:
+        elif position in work.refused:
             keep[position] = False
-            rejected.append((row, Rejection("prompt_too_long", work.over[position])))
+            rejected.append((row, work.refused[position]))
 
     kept = work.table if keep.all() else work.table.filter(pa.array(keep))
     shards = kept.column("shard").to_numpy()

@@ -5,19 +5,22 @@ generation prompt, then the tokenizer). Two fast paths give the same numbers soo
 only where it provably equals the slow one: `Qwen3PromptFormatter` renders Qwen3-style prompts
 without jinja (for templates checked line by line), and `ByteLevelTokenCounter` counts byte-level
 BPE tokens per pre-tokenized piece with a cache instead of encoding whole texts. Everything else
-goes through the chat template and the tokenizer.
+goes through the chat template and the tokenizer. A conversation the chat template refuses (it
+raises on it, e.g. a `tool` turn the template has no branch for) becomes a `template_rejects`
+rejection, not an error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 import re
 from functools import lru_cache
 from typing import Any
 
-from draftline.data.conversations import Message
+from draftline.data.conversations import Message, Rejection, uses_tools
 
 
 class PromptTokenCounter:
@@ -30,7 +33,8 @@ class PromptTokenCounter:
     the rest. Counts at or under the budget are always exact.
 
     `fast=False` turns both fast paths off (rendering with jinja, counting with `encode_batch`);
-    with `fast=True` each is used only when `verified` accepts it for this tokenizer.
+    with `fast=True` each is used only when `verified` accepts it for this tokenizer, and the
+    formatter only for conversations without tool turns or calls.
     """
 
     def __init__(
@@ -47,6 +51,8 @@ class PromptTokenCounter:
                 "tokenizer.json"
             )
         self.tokenizer = tokenizer
+        # The tokenizer pickled, in a copy sent to a worker that renders with the formatter.
+        self._tokenizer_pickle: bytes | None = None
         self.template_kwargs = dict(template_kwargs or {})
         self.max_tokens = max_tokens
         backend = tokenizer.backend_tokenizer
@@ -66,7 +72,7 @@ class PromptTokenCounter:
         self.fast_counter: ByteLevelTokenCounter | None = None
         if fast:
             self.formatter = Qwen3PromptFormatter.verified(
-                tokenizer, self._render_jinja, self.template_kwargs
+                tokenizer, self._apply_template, self.template_kwargs
             )
             if not getattr(tokenizer, "split_special_tokens", False):
                 self.fast_counter = ByteLevelTokenCounter.verified(backend)
@@ -74,26 +80,63 @@ class PromptTokenCounter:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if self.formatter is not None:
-            state["tokenizer"] = None  # only jinja rendering needs it (and transformers)
+            # Only jinja rendering needs the tokenizer (and transformers): a worker loads it on
+            # the first conversation the formatter leaves to jinja, most never do.
+            state["tokenizer"] = None
+            state["_tokenizer_pickle"] = self._tokenizer_pickle or pickle.dumps(self.tokenizer)
         return state
 
-    def _render_jinja(self, conversations: list[list[Message]]) -> list[str]:
+    def _template_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            assert self._tokenizer_pickle is not None
+            self.tokenizer = pickle.loads(self._tokenizer_pickle)
+        return self.tokenizer
+
+    def _apply_template(self, conversations: list[list[Message]]) -> list[str]:
+        """Prompts rendered by the chat template; raises what the template raises."""
         if not conversations:
             return []
-        texts = self.tokenizer.apply_chat_template(
+        texts = self._template_tokenizer().apply_chat_template(
             conversations, tokenize=False, add_generation_prompt=True, **self.template_kwargs
         )
         return list(texts)
 
-    def render(self, conversations: list[list[Message]]) -> list[str]:
-        """Prompts as the chat template renders them (each conversation ends in a user turn)."""
-        if self.formatter is None:
-            return self._render_jinja(conversations)
-        return [self.formatter.render(c) for c in conversations]
+    def _render_jinja(self, conversations: list[list[Message]]) -> list[str | Rejection]:
+        try:
+            return list(self._apply_template(conversations))
+        except Exception:  # noqa: BLE001 - one conversation fails the batch; find which below
+            return [self._render_one(c) for c in conversations]
 
-    def count(self, conversations: list[list[Message]]) -> list[tuple[int, bool]]:
-        """(tokens, exact) per conversation; exact is False only for a lower bound over budget."""
-        texts = self.render(conversations)
+    def _render_one(self, messages: list[Message]) -> str | Rejection:
+        try:
+            return self._apply_template([messages])[0]
+        except Exception as err:  # noqa: BLE001 - what the template raises is its verdict
+            return Rejection("template_rejects", str(err) or type(err).__name__)
+
+    def render(self, conversations: list[list[Message]]) -> list[str | Rejection]:
+        """Prompts as the chat template renders them (each conversation ends in a user or tool
+        turn), or `template_rejects` for a conversation the template raises on."""
+        formatter = self.formatter
+        if formatter is None:
+            return self._render_jinja(conversations)
+        # The formatter knows system/user/assistant text only: tools go through the template.
+        tools = [uses_tools(c) for c in conversations]
+        texts: list[str | Rejection] = [
+            "" if t else formatter.render(c) for c, t in zip(conversations, tools, strict=True)
+        ]
+        slow = [i for i, t in enumerate(tools) if t]
+        for i, text in zip(slow, self._render_jinja([conversations[i] for i in slow]), strict=True):
+            texts[i] = text
+        return texts
+
+    def count(self, conversations: list[list[Message]]) -> list[tuple[int, bool] | Rejection]:
+        """(tokens, exact) per conversation, or the template's rejection; exact is False only
+        for a lower bound over budget."""
+        rendered = self.render(conversations)
+        counts = iter(self._count_texts([t for t in rendered if isinstance(t, str)]))
+        return [next(counts) if isinstance(t, str) else t for t in rendered]
+
+    def _count_texts(self, texts: list[str]) -> list[tuple[int, bool]]:
         pieces = [_cut_at_word_boundary(t, self.prefix_chars) for t in texts]
         counts = self.lengths(pieces)
         result = [(n, True) for n in counts]
@@ -162,10 +205,11 @@ CHECKED_TEMPLATES = {
 class Qwen3PromptFormatter:
     """The Qwen3-style chat template for prompts, in plain Python (jinja is ~10x slower).
 
-    Only for normalised conversations (optional system first, then user and assistant
-    alternating, ending in a user turn) with the generation prompt added: there every assistant
-    turn comes before the last user turn, so the template shows only its answer (the text after
-    the last `</think>`, leading newlines dropped) and never a think block.
+    Only for normalised conversations without tool turns or calls (optional system first, then
+    user and assistant alternating, ending in a user turn) with the generation prompt added:
+    there every assistant turn comes before the last user turn, so the template shows only its
+    answer (the text after the last `</think>`, leading newlines dropped) and never a think
+    block.
     """
 
     def __init__(self, enable_thinking: Any = None) -> None:
