@@ -12,6 +12,7 @@ from helpers.generate_helpers import build_random_target, conversations, make_wo
 
 from draftline.core import target
 from draftline.core.loss_mask import completion_stats, special_ids
+from draftline.core.turn_prompts import regenerated_turns
 from draftline.generation.engines.base import Request, Result, Sampling
 from draftline.generation.engines.local import LocalEngine
 
@@ -113,9 +114,19 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
         r["id"]: r
         for r in pq.read_table(tmp_path / "data/curated/train/shard-0.parquet").to_pylist()
     }
+    kwargs = {"enable_thinking": True}
     for row in table:
         msgs = [dict(m) for m in curated[row["id"]]["messages"]]
-        assert row["prompt_ids"] == target.prompt_ids(tok, msgs, {"enable_thinking": True})
+        # The prompt of the last turn generated: the conversation up to it, each earlier answer
+        # the target's own (where the row's history spans hold it), as the template renders it.
+        history = msgs[: regenerated_turns(msgs)[row["turns"] - 1]]
+        for (start, end), i in zip(row["history_spans"], regenerated_turns(msgs), strict=False):
+            answer = tok.decode(row["prompt_ids"][start : end - 1], skip_special_tokens=False)
+            history[i] = {"role": "assistant", "content": answer}
+        if not row["history_spans"]:
+            assert row["prompt_ids"] == target.prompt_ids(tok, history, kwargs)
+        text = target.render_prompt(tok, history, kwargs)
+        assert tok.decode(row["prompt_ids"], skip_special_tokens=False) == text
         assert row["num_prompt_tokens"] == len(row["prompt_ids"])
         assert row["num_completion_tokens"] == len(row["completion_ids"])
         stats = completion_stats(row["completion_ids"], special)

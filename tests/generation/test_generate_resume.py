@@ -39,6 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def journal_ids(path: Path) -> list[str]:
+    """Keys (`<conversation id>#<turn>`) of the turns the journal holds as finished."""
     ids = []
     for line in path.read_bytes().splitlines(keepends=True):
         if line.endswith(b"\n"):
@@ -46,6 +47,10 @@ def journal_ids(path: Path) -> list[str]:
             if "id" in obj and obj["finish_reason"] != "error":
                 ids.append(obj["id"])
     return ids
+
+
+def turn_keys(table: list[dict]) -> set[str]:
+    return {f"{r['id']}#{k}" for r in table for k in range(r["turns"])}
 
 
 def start_and_kill(cwd: Path, at_records: int, timeout: float = 180) -> list[str]:
@@ -87,12 +92,13 @@ def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
         asked_after = {r.rsplit("-", 1)[0] for r in server.rids()[asked_before:]}
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
-    assert not asked_after & set(done_before)  # finished samples were not generated again
-    assert asked_after | set(done_before) == set(ids)
+    assert not asked_after & set(done_before)  # finished turns were not generated again
+    assert asked_after | set(done_before) == turn_keys(table)
+    assert max(r["turns"] for r in table) == 2  # the conversations with an earlier answer
     assert all(r["finish_reason"] == "stop" and r["completion_ids"][-1] == 2 for r in table)
     metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
-    assert metrics["resumed_samples"] == len(done_before)
-    assert metrics["generated_samples"] == len(ids) - len(done_before)
+    assert metrics["generated_turns"] == len(asked_after)
+    assert metrics["resumed_samples"] + metrics["generated_samples"] == len(ids)
     assert not (tmp_path / JOURNAL).exists()  # removed once the output is in place
 
 
@@ -115,8 +121,8 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids
     metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
-    assert metrics["resumed_samples"] == len(done_before)
-    assert metrics["generated_samples"] == len(ids) - len(done_before)
+    assert metrics["generated_turns"] == len(turn_keys(table) - set(done_before))
+    assert metrics["resumed_samples"] + metrics["generated_samples"] == len(ids)
     # The run it measured, for `draftline plan`.
     assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
         str(model_dir),
@@ -207,7 +213,7 @@ def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_pa
     with StandIn(tmp_path, port=server.port) as again:  # same port: appends to the same log
         proc = run_generate(tmp_path, "--shard", "0")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert sorted(again.sample_ids()[asked_before:]) == ids
+        assert sorted(set(again.sample_ids()[asked_before:])) == ids
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids and {r["finish_reason"] for r in table} == {"stop"}
 
@@ -246,6 +252,7 @@ def test_a_thinking_share_renders_each_prompt_in_its_own_mode(tmp_path, model_di
                            generate={"guard": False})  # fmt: skip
         params = yaml.safe_load((tmp_path / "params.yaml").read_text())
         params["data"]["thinking_share"] = 0.5
+        params["data"]["regenerate_turns"] = "last"  # the dataset's history: prompts as curated
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
         done = run_generate(tmp_path, "--shard", "0")
         assert done.returncode == 0, done.stdout + done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -223,7 +224,8 @@ class StandIn:
         return self.log.read_text().split() if self.log.exists() else []
 
     def sample_ids(self) -> list[str]:
-        return [r.rsplit("-", 1)[0] for r in self.rids()]
+        """Conversation ids of the requests served, in order (one per turn requested)."""
+        return [re.sub(r"#\d+$", "", r.rsplit("-", 1)[0]) for r in self.rids()]
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

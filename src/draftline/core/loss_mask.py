@@ -2,6 +2,8 @@
 
 A training sequence is `prompt_ids + completion_ids`. The mask is 0 over the prompt and 1 over
 the whole completion span, the end-of-turn token included (the drafter must learn to end turns).
+In a multi-turn conversation the prompt holds the target's earlier answers too; their spans
+(`history_spans`) are supervised as well.
 A completion is cut after its first end-of-turn token; anything an engine returns past it
 (padding, a second turn) is not part of the sample.
 
@@ -68,9 +70,18 @@ def cut_at_end_of_turn(ids: Sequence[int], end_of_turn: int) -> tuple[list[int],
         return out, False
 
 
-def loss_mask(num_prompt_tokens: int, completion_ids: Sequence[int]) -> list[int]:
-    """0 for every prompt token, 1 for every completion token (end-of-turn included)."""
-    return [0] * num_prompt_tokens + [1] * len(completion_ids)
+def loss_mask(
+    num_prompt_tokens: int,
+    completion_ids: Sequence[int],
+    history_spans: Sequence[Sequence[int]] = (),
+) -> list[int]:
+    """0 for every prompt token, 1 for every completion token (end-of-turn included), and 1
+    over `history_spans`: the [start, end) prompt positions of a conversation's earlier answers,
+    written by the target too (`draftline.core.turn_prompts`)."""
+    mask = [0] * num_prompt_tokens + [1] * len(completion_ids)
+    for start, end in history_spans or ():
+        mask[start:end] = [1] * (end - start)
+    return mask
 
 
 def loss_mask_sum(completion_ids: Sequence[int]) -> int:

@@ -156,8 +156,9 @@ def token_rows(pack: PackPlan, max_length: int, table: dict[str, list]) -> list[
                 f"{seq.id}): rerun the extract stage"
             )
         prompt, completion = table["prompt_ids"][seq.row], table["completion_ids"][seq.row]
+        spans = table["history_spans"][seq.row] if "history_spans" in table else ()
         ids = (list(prompt) + list(completion))[:max_length]
-        mask = loss_mask(len(prompt), completion)[:max_length]
+        mask = loss_mask(len(prompt), completion, spans)[:max_length]
         rows.append((ids, mask))
     return rows
 
@@ -321,6 +322,8 @@ def extract(
     for pack in todo:
         if pack.shard_file != table_file:  # packs of a shard are consecutive: read it once
             cols = ["id", "prompt_ids", "completion_ids"]
+            if "history_spans" in pq.read_schema(pack.shard_file).names:
+                cols.append("history_spans")  # shards written before multi-turn have none
             table = pq.read_table(pack.shard_file, columns=cols).to_pydict()
             table_file = pack.shard_file
         rows = token_rows(pack, settings.max_length, table)

@@ -1,11 +1,13 @@
-"""Regenerate one shard of curated prompts with the target: resumable, token-exact.
+"""Regenerate one shard of curated conversations with the target: resumable, token-exact.
 
-Prompt ids come from the target's own chat template (`draftline.core.target.prompt_ids`); completion
-ids are stored exactly as the engine returned them. Every finished sample goes to the journal
-first, so a rerun after any kill generates only what is missing; the shard's table is written
-once, complete and sorted by id, under a temporary name and renamed into place. Failed samples
-are kept as `error` rows; the shard fails when their share passes `generate.max_error_share`
-(a failed sample is generated again on the next run). Knows nothing of DVC.
+Every assistant turn is written by the target, in order (`draftline.generation.turns`); prompt
+ids come from the target's own chat template with the earlier answers spliced in as the engine's
+ids (`draftline.core.turn_prompts`), and completion ids are stored exactly as the engine returned
+them. Every finished turn goes to the journal first, so a rerun after any kill generates only
+what is missing, mid-conversation included; the shard's table is written once, complete and
+sorted by id, under a temporary name and renamed into place. Failed conversations are kept as
+`error` rows; the shard fails when their share passes `generate.max_error_share` (a failed turn
+is generated again on the next run). Knows nothing of DVC.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftline.core import target
-from draftline.core.loss_mask import SpecialIds, completion_stats, prompt_opens_think
+from draftline.core.loss_mask import SpecialIds
+from draftline.core.turn_prompts import regenerated_turns
+from draftline.data.conversations import messages_from_records
 from draftline.generation.engines.base import Engine, Request, Result, Sampling
 from draftline.generation.guard import Guard
 from draftline.generation.journal import Journal
-from draftline.quality.checks import completion_hash
+from draftline.generation.turns import Conversation, conversation_row, split_key, turn_row
 from draftline.runtime import atomic
 
 SCHEMA = pa.schema(
@@ -44,6 +48,11 @@ SCHEMA = pa.schema(
         ("loss_mask_sum", pa.int32()),
         ("completion_hash", pa.string()),
         ("thinking", pa.bool_()),
+        ("history_spans", pa.list_(pa.list_(pa.int32()))),
+        ("turns", pa.int32()),
+        ("turn_finish_reasons", pa.list_(pa.string())),
+        ("turn_loss_mask_sums", pa.list_(pa.int32())),
+        ("turn_answer_tokens", pa.list_(pa.int32())),
         ("completion_text", pa.string()),
         ("engine", pa.string()),
         ("model", pa.string()),
@@ -76,6 +85,8 @@ class Identity:
     chat_template_sha256: str = ""
     # Share of samples generated with thinking on (`data.thinking_share`; the rest off).
     thinking_share: float = 1.0
+    # Which assistant turns the target writes: "all" or "last" (`generate.regenerate_turns`).
+    regenerate_turns: str = "all"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +95,7 @@ class Identity:
             "chat_template_sha256": self.chat_template_sha256,
             "sampling": self.sampling.as_dict(),
             "thinking_share": self.thinking_share,
+            "regenerate_turns": self.regenerate_turns,
         }
 
     def kwargs_for(self, sample_id: str) -> dict[str, Any]:
@@ -101,34 +113,12 @@ def read_curated(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def build_row(
-    sample_id: str,
-    prompt: list[int],
-    result: Result,
-    special: SpecialIds,
-    tokenizer: Any,
-    labels: dict[str, str],
-    thinking: bool = False,
-) -> dict[str, Any]:
-    """One generated row; `thinking`: the sample's template had thinking on."""
-    ids = [int(t) for t in result.completion_ids]
-    stats = completion_stats(ids, special, think_open=prompt_opens_think(prompt, special))
+def labelled_row(row: dict[str, Any], tokenizer: Any, labels: dict[str, str]) -> dict[str, Any]:
+    """A conversation's row with what is derived for reading and the run's labels."""
     return {
-        "id": sample_id,
-        "prompt_ids": prompt,
-        "completion_ids": ids,
-        "num_prompt_tokens": len(prompt),
-        "num_completion_tokens": len(ids),
-        "finish_reason": result.finish_reason,
-        "error": result.error,
-        "has_think_block": stats.has_think_block,
-        "think_tokens": stats.think_tokens,
-        "answer_tokens": stats.answer_tokens,
-        "loss_mask_sum": stats.loss_mask_sum,
-        "completion_hash": completion_hash(ids),
-        "thinking": thinking,
+        **row,
         # For reading only: never tokenized again.
-        "completion_text": tokenizer.decode(ids, skip_special_tokens=False),
+        "completion_text": tokenizer.decode(row["completion_ids"], skip_special_tokens=False),
         **labels,
     }
 
@@ -145,60 +135,74 @@ def run_shard(
     extra_metrics: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Generate every curated sample of the shard not yet in the journal; write table + metrics."""
+    """Generate every turn of the shard's conversations not yet in the journal, in rounds (turn
+    k of every conversation that needs one), then write the table and the run log."""
     from tqdm import tqdm
 
-    curated = read_curated(paths.curated)
-    kwargs = {r["id"]: identity.kwargs_for(r["id"]) for r in curated}
-    prompts = {
-        r["id"]: target.prompt_ids(tokenizer, _messages(r["messages"]), kwargs[r["id"]])
-        for r in curated
+    conversations = {
+        r["id"]: Conversation(
+            r["id"],
+            messages := messages_from_records(r["messages"]),
+            regenerated_turns(messages, identity.regenerate_turns),
+            identity.kwargs_for(r["id"]),
+        )
+        for r in read_curated(paths.curated)
     }
-    modes = {i: bool(k.get("enable_thinking", False)) for i, k in kwargs.items()}
     labels = {
         "engine": engine.identity(),
         "model": identity.model,
         "sampling": orjson.dumps(identity.sampling.as_dict(), option=orjson.OPT_SORT_KEYS).decode(),
     }
     journal = Journal(paths.journal, identity.as_dict())
-    finished = {
-        i: r for i, r in journal.open().items() if i in prompts and r.finish_reason != "error"
-    }
+    journaled: dict[str, dict[int, Result]] = {}
+    for key, result in journal.open().items():
+        if (parts := split_key(key)) and parts[0] in conversations:
+            journaled.setdefault(parts[0], {})[parts[1]] = result
     if journal.discarded:
         print(
             f"{paths.name}: journal of another model, chat template or sampling moved to "
             f"{journal.discarded}"
         )
-    rows: dict[str, dict[str, Any]] = {}
-    for sample_id, result in finished.items():
-        rows[sample_id] = build_row(
-            sample_id, prompts[sample_id], result, special, tokenizer, labels, modes[sample_id]
-        )
+    resumed_turns = 0
+    for conversation_id, turns in journaled.items():
+        conversation = conversations[conversation_id]
+        conversation.resume(turns)
+        resumed_turns += len(conversation.results)
         if guard:
-            guard.observe(rows[sample_id])
-    pending = [Request(i, prompts[i]) for i in sorted(prompts) if i not in finished]
+            for k, result in enumerate(conversation.results):
+                prompt = conversation.prompt(tokenizer, special, k).ids
+                guard.observe(turn_row(prompt, result, special, conversation.thinking))
+    resumed = sum(c.done() for c in conversations.values())
 
     started = time.monotonic()
     prior_wall = journal.wall_s
-    generated_tokens = 0
+    generated_tokens = generated_turns = 0
+    failed: dict[str, Result] = {}
     bar = tqdm(
-        total=len(prompts),
-        initial=len(finished),
+        total=resumed_turns + sum(c.remaining_turns() for c in conversations.values()),
+        initial=resumed_turns,
         desc=f"generate {paths.name}",
-        unit="sample",
+        unit="turn",
         disable=not progress,
         mininterval=1.0,
         dynamic_ncols=True,
     )
 
     def on_result(result: Result) -> None:
-        nonlocal generated_tokens
+        nonlocal generated_tokens, generated_turns
         journal.append([result], wall_s=prior_wall + time.monotonic() - started)
-        row = build_row(
-            result.id, prompts[result.id], result, special, tokenizer, labels, modes[result.id]
-        )
-        rows[result.id] = row
+        conversation_id, k = split_key(result.id) or (result.id, 0)
+        conversation = conversations[conversation_id]
+        if result.finish_reason == "error":
+            failed[conversation_id] = result
+        else:
+            conversation.results.append(result)
+        prompt = conversation.prompt(tokenizer, special, k).ids
+        row = turn_row(prompt, result, special, conversation.thinking)
         generated_tokens += row["num_completion_tokens"]
+        generated_turns += 1
+        if conversation_id in failed or conversation.done():
+            bar.total -= len(conversation.turns) - k - 1  # turns it will never have
         elapsed = max(time.monotonic() - started, 1e-9)
         bar.set_postfix_str(f"{generated_tokens / elapsed:,.0f} out tok/s", refresh=False)
         bar.update(1)
@@ -206,16 +210,32 @@ def run_shard(
             guard.observe(row)
 
     try:
-        engine.generate(pending, on_result)
+        while nexts := [
+            c.next_request(tokenizer, special)
+            for i, c in sorted(conversations.items())
+            if i not in failed and not c.done()
+        ]:
+            pending = [r for r in nexts if isinstance(r, Request)]
+            for unbuildable in (r for r in nexts if isinstance(r, Result)):
+                failed[unbuildable.id.rpartition("#")[0]] = unbuildable
+            before = generated_turns
+            engine.generate(pending, on_result)
+            if generated_turns - before < len(pending):
+                raise ShardFailed(
+                    f"{paths.name}: the engine returned no result for "
+                    f"{len(pending) - generated_turns + before} of {len(pending)} requests"
+                )
     finally:
         bar.close()
         journal.close()
     run_wall = time.monotonic() - started
 
-    missing = sorted(set(prompts) - set(rows))
-    if missing:
-        raise ShardFailed(f"{paths.name}: the engine returned no result for {len(missing)} ids")
-    ordered = [rows[i] for i in sorted(rows)]
+    ordered = [
+        labelled_row(
+            conversation_row(conversations[i], tokenizer, special, failed.get(i)), tokenizer, labels
+        )
+        for i in sorted(conversations)
+    ]
     reasons = Counter(r["finish_reason"] for r in ordered)
     errors = reasons.get("error", 0)
     if errors > max_error_share * len(ordered):
@@ -227,11 +247,12 @@ def run_shard(
         )
 
     atomic.write_parquet(paths.output, pa.Table.from_pylist(ordered, schema=SCHEMA))
-    metrics = shard_metrics(ordered, reasons, len(pending), generated_tokens, run_wall)
+    metrics = shard_metrics(ordered, reasons, len(ordered) - resumed, generated_tokens, run_wall)
     metrics.update(
         {
             "wall_s": round(prior_wall + run_wall, 3),
-            "resumed_samples": len(finished),
+            "resumed_samples": resumed,
+            "generated_turns": generated_turns,
             **(extra_metrics or {}),
             "engine_identity": labels["engine"],
             "model": identity.model,
@@ -273,7 +294,3 @@ def shard_metrics(
             round(sum(r["loss_mask_sum"] for r in answered) / len(answered), 2) if answered else 0.0
         ),
     }
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    return [{"role": m["role"], "content": m["content"]} for m in messages]

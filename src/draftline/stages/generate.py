@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             str(tokenizer.chat_template or "").encode("utf-8")
         ).hexdigest(),
         thinking_share=float((p.get("data") or {}).get("thinking_share", 1.0)),
+        regenerate_turns=str((p.get("data") or {}).get("regenerate_turns", "all")),
     )
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
     extra = {**hardware.describe(profile), **params.identity(p)}

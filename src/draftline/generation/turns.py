@@ -1,0 +1,141 @@
+"""One conversation being regenerated turn by turn, and its row in the generated table.
+
+A conversation's assistant turns (`draftline.core.turn_prompts.regenerated_turns`) are generated
+in order: turn k's prompt holds the target's answers to turns 0..k-1, so turn k is requested only
+once turn k-1 is back. Each turn's result is journaled under `<id>#<k>`; after a kill the
+conversation resumes at its first turn without a result. A turn that does not end its turn
+(`length`) or fails (`error`) ends the conversation: the next turn would build on a cut answer.
+
+The row is one training sequence: the prompt of the last turn generated (every earlier answer
+in it, as the template shows history) and that turn's completion; `history_spans` says where in
+the prompt the earlier answers are, and the `turn_*` columns describe each turn as generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftline.core.loss_mask import SpecialIds, completion_stats, prompt_opens_think
+from draftline.core.turn_prompts import TurnPrompt, TurnPromptError, turn_prompt
+from draftline.generation.engines.base import Request, Result
+from draftline.quality.checks import completion_hash
+
+TURN_SEPARATOR = "#"
+
+
+def turn_key(conversation_id: str, turn: int) -> str:
+    """The request and journal id of a conversation's turn."""
+    return f"{conversation_id}{TURN_SEPARATOR}{turn}"
+
+
+def split_key(key: str) -> tuple[str, int] | None:
+    conversation_id, sep, turn = key.rpartition(TURN_SEPARATOR)
+    return (conversation_id, int(turn)) if sep and turn.isdigit() else None
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, Any]]  # the curated conversation: ends in a user or tool turn
+    turns: list[int]  # message index of each assistant turn the target writes, in order
+    template_kwargs: dict[str, Any]
+    results: list[Result] = field(default_factory=list)  # one per finished turn, in order
+    prompts: list[TurnPrompt] = field(default_factory=list)  # the prompt of each requested turn
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.template_kwargs.get("enable_thinking", False))
+
+    def done(self) -> bool:
+        if self.results and self.results[-1].finish_reason != "stop":
+            return True
+        return len(self.results) == len(self.turns)
+
+    def remaining_turns(self) -> int:
+        return 0 if self.done() else len(self.turns) - len(self.results)
+
+    def resume(self, journaled: dict[int, Result]) -> None:
+        """Take the journaled turns 0, 1, ... up to the first missing or failed one (a failed
+        turn is generated again)."""
+        k = 0
+        while k < len(self.turns) and k in journaled and journaled[k].finish_reason != "error":
+            self.results.append(journaled[k])
+            if journaled[k].finish_reason != "stop":
+                break
+            k += 1
+
+    def prompt(self, tokenizer: Any, special: SpecialIds, turn: int) -> TurnPrompt:
+        """The prompt of turn `turn`, built from the ids of the answers before it (cached)."""
+        while len(self.prompts) <= turn:
+            k = len(self.prompts)
+            answers = {self.turns[j]: self.results[j].completion_ids for j in range(k)}
+            history = self.messages[: self.turns[k]]
+            self.prompts.append(
+                turn_prompt(tokenizer, history, answers, self.template_kwargs, special)
+            )
+        return self.prompts[turn]
+
+    def next_request(self, tokenizer: Any, special: SpecialIds) -> Request | Result:
+        """The next turn's request, or an error result when its prompt cannot be built."""
+        k = len(self.results)
+        try:
+            return Request(turn_key(self.id, k), self.prompt(tokenizer, special, k).ids)
+        except TurnPromptError as error:
+            return Result(turn_key(self.id, k), [], "error", f"turn {k}: {error}")
+
+
+def turn_row(
+    prompt: list[int], result: Result, special: SpecialIds, thinking: bool
+) -> dict[str, Any]:
+    """One turn as generated, in the generated table's columns (the guard watches every turn)."""
+    ids = [int(t) for t in result.completion_ids]
+    stats = completion_stats(ids, special, think_open=prompt_opens_think(prompt, special))
+    return {
+        "id": result.id,
+        "prompt_ids": prompt,
+        "completion_ids": ids,
+        "num_prompt_tokens": len(prompt),
+        "num_completion_tokens": len(ids),
+        "finish_reason": result.finish_reason,
+        "error": result.error,
+        "has_think_block": stats.has_think_block,
+        "think_tokens": stats.think_tokens,
+        "answer_tokens": stats.answer_tokens,
+        "loss_mask_sum": stats.loss_mask_sum,
+        "completion_hash": completion_hash(ids),
+        "thinking": thinking,
+    }
+
+
+def conversation_row(
+    conversation: Conversation, tokenizer: Any, special: SpecialIds, failed: Result | None = None
+) -> dict[str, Any]:
+    """The conversation's training sequence and per-turn columns (without the labels).
+
+    `failed`: the result of a turn that errored, which makes the row an error row.
+    """
+    last = len(conversation.results) - (0 if failed else 1)
+    try:
+        prompt = conversation.prompt(tokenizer, special, last)
+    except TurnPromptError:  # the failure was building this prompt: the row has none
+        prompt = TurnPrompt([], [])
+    result = failed or conversation.results[last]
+    turns = [
+        turn_row(conversation.prompt(tokenizer, special, k).ids, r, special, conversation.thinking)
+        for k, r in enumerate(conversation.results)
+    ]
+    if failed:
+        turns.append(turn_row(prompt.ids, failed, special, conversation.thinking))
+    row = turn_row(prompt.ids, result, special, conversation.thinking)
+    row.update(
+        {
+            "id": conversation.id,
+            "history_spans": [list(span) for span in prompt.spans],
+            "turns": len(turns),
+            "turn_finish_reasons": [t["finish_reason"] for t in turns],
+            "turn_loss_mask_sums": [t["loss_mask_sum"] for t in turns],
+            "turn_answer_tokens": [t["answer_tokens"] for t in turns],
+        }
+    )
+    return row
