@@ -31,6 +31,7 @@ from draftline.generation.engines.base import Result
 from draftline.generation.journal import Journal
 
 JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +271,77 @@ def test_a_thinking_share_renders_each_prompt_in_its_own_mode(tmp_path, model_di
         messages = [{"role": m["role"], "content": m["content"]} for m in curated[row["id"]]]
         kwargs = {"enable_thinking": row["thinking"]}
         assert row["prompt_ids"] == target.prompt_ids(tokenizer, messages, kwargs), row["id"]
+
+
+def bundled_multi_turn_conversations(count: int) -> list[list[dict]]:
+    """The first `count` conversations of the bundled prompt set with three assistant turns or
+    more for the target to write."""
+    from draftline.core.turn_prompts import regenerated_turns
+    from draftline.data.conversations import Rejection, normalise, read_rows
+
+    found = []
+    for row in read_rows(ROOT / "data/sample/conversations.jsonl"):
+        if row.error:  # the bundled set's deliberately malformed rows
+            continue
+        messages = normalise(row.value)
+        if not isinstance(messages, Rejection) and len(regenerated_turns(messages)) >= 3:
+            found.append(messages)
+    return found[:count]
+
+
+def test_a_bundled_multi_turn_conversation_resumes_mid_conversation_to_the_same_sequence(
+    tmp_path,
+):
+    """Embedded default (the tiny target, local engine, the bundled set's multi-turn
+    conversations): kill -9 once every first turn and some later ones are journaled, resume, and
+    the table is identical to an uninterrupted run's. Each row is one sequence whose loss mask
+    covers every assistant turn the target wrote."""
+    from transformers import AutoTokenizer
+
+    from draftline.core.loss_mask import loss_mask
+
+    model_dir = ROOT / "models/tiny-target"
+    conversations = bundled_multi_turn_conversations(8)
+    assert len(conversations) == 8
+    hw = {
+        "name": "cpu",
+        "engine": "local",
+        "device": "cpu",
+        "precision": "fp32",
+        "num_threads": 1,
+        "local": {"batch_size": 2},
+        "sglang": None,
+    }
+    tables = []
+    for name, kill in (("uninterrupted", False), ("killed", True)):
+        work = tmp_path / name
+        work.mkdir()
+        ids = make_workdir(work, model_dir, hardware=hw, max_new_tokens=128,
+                           messages=conversations, generate={"guard": False})  # fmt: skip
+        if kill:  # every conversation has a first turn; some have their second: mid-way
+            done_before = start_and_kill(work, len(ids) + 2)
+            assert {k.rpartition("#")[0] for k in done_before} == set(ids)
+            assert any(k.endswith("#1") for k in done_before)
+        proc = run_generate(work, "--shard", "0")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        tables.append(pq.read_table(work / "data/generated/train/shard-0.parquet"))
+        if kill:
+            metrics = json.loads((work / "logs/runs/generate/shard-0.json").read_text())
+            assert metrics["generated_turns"] == sum(tables[-1]["turns"].to_pylist()) - len(
+                done_before
+            )
+    assert tables[0].equals(tables[1])
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = tables[0].to_pylist()
+    assert all(r["turn_finish_reasons"] == ["stop"] * r["turns"] for r in rows)
+    for row in rows:
+        spans = row["history_spans"]
+        assert len(spans) == row["turns"] - 1 >= 2  # every earlier answer is in the sequence
+        mask = loss_mask(row["num_prompt_tokens"], row["completion_ids"], spans)
+        sequence = row["prompt_ids"] + row["completion_ids"]
+        supervised = [tok.decode(sequence[s:e]) for s, e in spans]
+        assert all(text.endswith("<|im_end|>") for text in supervised)
+        assert sum(mask) == sum(e - s for s, e in spans) + len(row["completion_ids"])
+        # Nothing but the target's answers is supervised: no user turn, no role header.
+        assert all("<|im_start|>" not in text for text in supervised)

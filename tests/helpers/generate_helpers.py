@@ -75,14 +75,21 @@ def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
     return out
 
 
-def write_curated(path: Path, n: int, seed: int = 0, shard: int = 0) -> list[str]:
-    """A curated shard in the docs/pipeline.md layout; returns its ids (sorted)."""
+def write_curated(
+    path: Path,
+    n: int,
+    seed: int = 0,
+    shard: int = 0,
+    messages: list[list[dict[str, Any]]] | None = None,
+) -> list[str]:
+    """A curated shard in the docs/pipeline.md layout (of `messages`, or of `n` made-up
+    conversations); returns its ids (sorted)."""
     import hashlib
 
     from draftline.runtime import atomic
 
     rows = []
-    for msgs in conversations(n, seed):
+    for msgs in messages if messages is not None else conversations(n, seed):
         digest = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()[:16]
         rows.append(
             {
@@ -109,9 +116,10 @@ def make_workdir(
     generate: dict[str, Any] | None = None,
     quality: dict[str, Any] | None = None,
     max_new_tokens: int = 12,
+    messages: list[list[dict[str, Any]]] | None = None,
 ) -> list[str]:
     """A folder laid out like the repository for one generate stage; returns shard 0's ids."""
-    ids = write_curated(root / "data/curated/train/shard-0.parquet", n)
+    ids = write_curated(root / "data/curated/train/shard-0.parquet", n, messages=messages)
     write_curated(root / "data/curated/eval.parquet", 6, seed=5, shard=-1)
     params = {
         "model": {
