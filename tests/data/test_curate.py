@@ -24,13 +24,12 @@ from draftline.core.target import load_tokenizer, prompt_ids, render_prompt
 from draftline.data import curation
 from draftline.data.conversations import (
     REASONS,
-    Rejection,
     messages_from_records,
     messages_to_records,
     normalise,
-    read_rows,
 )
 from draftline.data.curation import CurateSettings, conversation_id, curate
+from draftline.data.input_files import Rejection, read_rows
 from draftline.data.prompt_tokens import ByteLevelTokenCounter, PromptTokenCounter
 from draftline.stages import curate as stage
 

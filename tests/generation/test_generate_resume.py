@@ -277,7 +277,8 @@ def bundled_multi_turn_conversations(count: int) -> list[list[dict]]:
     """The first `count` conversations of the bundled prompt set with three assistant turns or
     more for the target to write."""
     from draftline.core.turn_prompts import regenerated_turns
-    from draftline.data.conversations import Rejection, normalise, read_rows
+    from draftline.data.conversations import normalise
+    from draftline.data.input_files import Rejection, read_rows
 
     found = []
     for row in read_rows(ROOT / "data/sample/conversations.jsonl"):

@@ -38,14 +38,11 @@ import pyarrow as pa
 from draftline.data.conversations import (
     REASONS,
     Message,
-    Rejection,
-    RowBatch,
     canonical_json,
-    list_input_files,
     messages_to_records,
     normalise,
-    read_batches,
 )
+from draftline.data.input_files import Rejection, RowBatch, list_input_files, read_batches
 from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.data.scratch import SeenIds, Spill
 from draftline.runtime.atomic import atomic_path, write_parquet

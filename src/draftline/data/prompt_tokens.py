@@ -20,7 +20,8 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from draftline.data.conversations import Message, Rejection, uses_tools
+from draftline.data.conversations import Message, uses_tools
+from draftline.data.input_files import Rejection
 
 
 class PromptTokenCounter:
