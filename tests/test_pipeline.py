@@ -488,3 +488,51 @@ def test_bench_results_are_listed_by_exp_show_beside_tau(finished, tmp_path):
         assert {"tau", "tau_sampled"} <= set(metrics["metrics/evaluate.json"]["data"])
     finally:
         (repo / "metrics/bench/bench.json").unlink(missing_ok=True)
+
+
+def test_benchmark_files_and_sources_are_eval_sets_with_their_own_metrics(finished, tmp_path):
+    """User-supplied benchmark prompt files (gsm8k- and mt-bench-style JSONL in data/benchmarks/,
+    nothing downloaded) make evaluate rerun alone and report tau per file in `dvc exp show`; a
+    held-out split of two input files reports tau per source. On the same run, multi-turn
+    conversations were regenerated turn by turn into one sequence each."""
+    repo, _ = finished
+    copy = tmp_path / "benchmarks"
+    shutil.copytree(repo, copy, symlinks=True)
+    rows = pd.concat(
+        pd.read_parquet(p) for p in sorted((copy / "data/generated/train").glob("*.parquet"))
+    )
+    multi = rows[rows["turns"] > 1]
+    assert len(multi) > 20 and (multi["history_spans"].map(len) == multi["turns"] - 1).all()
+
+    questions = ["How many items are in this list: lemon, yogurt, bread?",
+                 "Say the opposite of hot.", "What colour is a banana?"]  # fmt: skip
+    bench = copy / "data/benchmarks"
+    (bench / "gsm8k.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "#### 3"}) + "\n" for q in questions)
+    )
+    (bench / "mt_bench.jsonl").write_text(
+        "".join(
+            json.dumps({"question_id": i, "turns": [q, "Shorter."]}) + "\n"
+            for i, q in enumerate(questions)
+        )  # fmt: skip
+    )
+    done = run(["dvc", "repro"], copy)
+    assert ran_stages(done.stdout) == ["evaluate"]
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], copy).stdout)
+    evaluated = shown[0]["data"]["metrics"]["metrics/evaluate.json"]["data"]
+    assert set(evaluated["benchmarks"]) == {"gsm8k", "mt_bench"}
+    for figures in evaluated["benchmarks"].values():
+        assert figures["num_prompts"] == 3 and figures["tau"] >= 1.0 and figures["tau_sampled"]
+    assert "tau_source" not in evaluated  # one input file: nothing to split
+
+    # Two input files in the held-out split (the curated eval table's `source`).
+    curated = pd.read_parquet(copy / "data/curated/eval.parquet")
+    curated["source"] = [f"data/{'code' if i % 2 else 'chat'}/set.{i % 2}.jsonl"
+                         for i in range(len(curated))]  # fmt: skip
+    two_sources = tmp_path / "eval_two_sources.parquet"
+    curated.to_parquet(two_sources)
+    run(["draftline", "evaluate", "--curated-eval", str(two_sources), "--metrics",
+         str(tmp_path / "evaluate.json"), "--plots", str(tmp_path / "plots")], copy)  # fmt: skip
+    per_source = json.loads((tmp_path / "evaluate.json").read_text())
+    assert set(per_source["tau_source"]) == {"data/chat/set.0.jsonl", "data/code/set.1.jsonl"}
+    assert per_source["tau"] == evaluated["tau"]

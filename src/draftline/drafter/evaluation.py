@@ -213,6 +213,11 @@ class TauReport:
         if sampled is not None:
             self.sampled.append(sampled)
 
+    def subset(self, indices: Sequence[int]) -> TauReport:
+        """The report of some of the prompts (one thinking mode, one source)."""
+        sampled = [self.sampled[i] for i in indices] if self.sampled else []
+        return TauReport(self.block_size, [self.cycles[i] for i in indices], sampled)
+
     @property
     def tau_sampled(self) -> float | None:
         """Mean over prompts of the mean expected commit per anchor (None: not measured)."""

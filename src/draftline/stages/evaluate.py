@@ -14,31 +14,43 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftline.drafter.eval_sets import BENCHMARKS_DIR
 from draftline.runtime import hardware, params, run_log
 from draftline.runtime.atomic import write_text
 
 # The figures that compare drafters; per-position acceptance and the commit histogram are plots.
 RESULT_KEYS = (
     "tau", "tau_untrained", "tau_ratio", "tau_sampled", "tau_sampled_untrained", "tau_thinking",
-    "tau_no_thinking", "tau_per_cycle", "num_prompts", "continuation_tokens_mean",
+    "tau_no_thinking", "tau_source", "benchmarks", "tau_per_cycle", "num_prompts",
+    "continuation_tokens_mean",
 )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="composed parameters")
     parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out split")
+    parser.add_argument(
+        "--curated-eval", default="data/curated/eval.parquet", help="its sources, for tau_source"
+    )
+    parser.add_argument(
+        "--benchmarks", default=str(BENCHMARKS_DIR), help="folder of benchmark prompt files"
+    )
     parser.add_argument("--drafter", default="models/drafter", help="exported drafter")
     parser.add_argument("--metrics", default="metrics/evaluate.json")
     run_log.add_arguments(parser, "evaluate")
     parser.add_argument("--plots", default="plots/evaluate", help="folder of plot CSVs")
 
 
-def held_out_rows(path: Path, max_prompts: int) -> list[dict[str, Any]]:
-    """The first `max_prompts` rows by id with a prompt: `prompt_ids` and `thinking` (the
-    sample's thinking mode; None in tables written before modes were recorded)."""
+def held_out_rows(
+    path: Path, max_prompts: int, curated: Path | None = None
+) -> list[dict[str, Any]]:
+    """The first `max_prompts` rows by id with a prompt: `prompt_ids`, `thinking` (the sample's
+    thinking mode; None in tables written before modes were recorded) and `source` (its input
+    file, from the `curated` eval table; None without it)."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
@@ -50,7 +62,11 @@ def held_out_rows(path: Path, max_prompts: int) -> list[dict[str, Any]]:
     kept = [{"thinking": None, **r} for r in rows if r["prompt_ids"]][:max_prompts]
     if not kept:
         raise SystemExit(f"evaluate: {path} has no prompts")
-    return kept
+    sources: dict[str, str] = {}
+    if curated is not None and curated.is_file():
+        table = pq.read_table(curated, columns=["id", "source"]).to_pydict()
+        sources = dict(zip(table["id"], table["source"], strict=True))
+    return [{**r, "source": sources.get(r["id"])} for r in kept]
 
 
 def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
@@ -61,12 +77,12 @@ def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from draftline.core.continuation import greedy_continuations
-    from draftline.core.target import load_model, load_tokenizer, special_token_id
+    from draftline.core.target import load_model, load_tokenizer, prompt_ids, special_token_id
     from draftline.drafter.build import Hyperparameters, build_drafter
-    from draftline.drafter.evaluation import Sampling, evaluate_drafter, target_logits
+    from draftline.drafter.dflash import TargetHead
+    from draftline.drafter.eval_sets import benchmark_files, benchmark_messages, source_names
+    from draftline.drafter.evaluation import Sampling
     from draftline.drafter.export import load_drafter
-    from draftline.drafter.extraction import pack_features
 
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
@@ -77,20 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"evaluate: no drafter in {args.drafter}: run `dvc repro train`")
 
-    held_out = held_out_rows(Path(args.eval), int(ev["max_prompts"]))
-    prompts = [list(r["prompt_ids"]) for r in held_out]
+    max_prompts = int(ev["max_prompts"])
+    held_out = held_out_rows(Path(args.eval), max_prompts, Path(args.curated_eval))
+    benchmarks = benchmark_files(Path(args.benchmarks))
     target = load_model(model_cfg, device=str(device), dtype=execution.precision)
-    eot = special_token_id(load_tokenizer(model_cfg), str(model_cfg["end_of_turn_token"]))
-    batch = execution.local_batch_size
-    continuations = greedy_continuations(target, prompts, int(ev["max_new_tokens"]), eot, batch)
-    sequences = [(pr + c, len(pr)) for pr, c in zip(prompts, continuations, strict=True)]
-    layer_ids = [int(i) for i in model_cfg["target_layer_ids"]]
-    tokens_per_batch = execution.extract_tokens_per_batch
-    feats, _ = pack_features(target, [s for s, _ in sequences], layer_ids, tokens_per_batch, device)
-    features = list(feats.split([len(s) for s, _ in sequences]))  # bf16, as training sees them
-
-    from draftline.drafter.dflash import TargetHead
-
+    tokenizer = load_tokenizer(model_cfg)
     head = TargetHead.from_model(target)
     trained = load_drafter(args.drafter, head).to(device)
     untrained = build_drafter(model_cfg, Hyperparameters.from_params(p["drafter"]), head)
@@ -105,30 +112,110 @@ def run(args: argparse.Namespace) -> int:
         float(ev.get("top_p") or 1.0),
         int(ev.get("top_k") or -1),
     )
-    logits = [target_logits(target, tokens, start) for tokens, start in sequences]
-    reports = {
-        name: evaluate_drafter(drafter, sequences, features, logits, sampling).summary()
-        for name, drafter in (("trained", trained), ("untrained", untrained))
-    }
-    result = metrics(reports, continuations, profile)
-    # A thinking mix (data.thinking_share): greedy tau of each mode, as each is served.
+    scorer = Scorer(
+        target,
+        eot=special_token_id(tokenizer, str(model_cfg["end_of_turn_token"])),
+        max_new_tokens=int(ev["max_new_tokens"]),
+        layer_ids=[int(i) for i in model_cfg["target_layer_ids"]],
+        execution=execution,
+        device=device,
+        sampling=sampling,
+    )
+    held = scorer.score([list(r["prompt_ids"]) for r in held_out], trained, untrained)
+    reports = {name: report.summary() for name, report in held.reports.items()}
+    result = metrics(reports, held.continuations, profile)
+    # A thinking mix (data.thinking_share): tau of each mode, as each is served.
     modes = [r["thinking"] for r in held_out]
     if True in modes and False in modes:
         for mode, key in ((True, "tau_thinking"), (False, "tau_no_thinking")):
             picked = [i for i, m in enumerate(modes) if m is mode]
-            subset = evaluate_drafter(
-                trained, [sequences[i] for i in picked], [features[i] for i in picked]
-            )
-            result[key] = subset.tau
+            result[key] = held.reports["trained"].subset(picked).tau
+    # Several input files: tau of each.
+    sources = sorted({r["source"] for r in held_out if r["source"] is not None})
+    if len(sources) > 1:
+        names = dict(zip(sources, source_names(sources), strict=True))
+        result["tau_source"] = {
+            names[src]: held.reports["trained"]
+            .subset([i for i, r in enumerate(held_out) if r["source"] == src])
+            .tau
+            for src in sources
+        }
+    # Benchmark prompt files (data/benchmarks/): greedy and sampled tau of each.
+    kwargs = dict(model_cfg.get("chat_template_kwargs") or {})
+    if benchmarks:
+        result["benchmarks"] = {}
+    for name, path in benchmarks.items():
+        prompts = [
+            prompt_ids(tokenizer, messages, kwargs)
+            for messages in benchmark_messages(path, max_prompts)
+        ]
+        report = scorer.score(prompts, trained).reports["trained"]
+        result["benchmarks"][name] = {
+            "tau": report.tau,
+            "tau_sampled": report.tau_sampled,
+            "num_prompts": len(prompts),
+        }
     run_log.write(args, "evaluate", result, RESULT_KEYS)
     write_plots(Path(args.plots), reports)
     print(
         f"evaluate: tau {result['tau']:.3f} (untrained {result['tau_untrained']:.3f}, "
         f"x{result['tau_ratio']:.2f}), at temperature {sampling.temperature:g} "
         f"{result['tau_sampled']:.3f} (untrained {result['tau_sampled_untrained']:.3f}) on "
-        f"{len(prompts)} prompts, block size {trained.config.block_size}"
+        f"{len(held_out)} prompts, block size {trained.config.block_size}"
+        + "".join(f"; {name} {b['tau']:.3f}" for name, b in result.get("benchmarks", {}).items())
     )
     return 0
+
+
+@dataclass
+class Scored:
+    reports: dict[str, Any]  # drafter name ("trained", "untrained") -> TauReport
+    continuations: list[list[int]]
+
+
+@dataclass
+class Scorer:
+    """Scores drafters on prompts: the target's greedy continuation, one target forward for
+    the features (bf16, as training sees them) and the logits, then the chained walk."""
+
+    target: Any
+    eot: int
+    max_new_tokens: int
+    layer_ids: list[int]
+    execution: Any
+    device: Any
+    sampling: Any
+
+    def score(self, prompts: list[list[int]], trained: Any, untrained: Any = None) -> Scored:
+        from draftline.core.continuation import greedy_continuations
+        from draftline.drafter.evaluation import evaluate_drafter, target_logits
+        from draftline.drafter.extraction import pack_features
+
+        batch = self.execution.local_batch_size
+        continuations = greedy_continuations(
+            self.target, prompts, self.max_new_tokens, self.eot, batch
+        )
+        sequences = [(pr + c, len(pr)) for pr, c in zip(prompts, continuations, strict=True)]
+        feats, _ = pack_features(
+            self.target,
+            [s for s, _ in sequences],
+            self.layer_ids,
+            self.execution.extract_tokens_per_batch,
+            self.device,
+        )
+        features = list(feats.split([len(s) for s, _ in sequences]))
+        logits = [target_logits(self.target, tokens, start) for tokens, start in sequences]
+        drafters = {
+            "trained": trained,
+            **({"untrained": untrained} if untrained is not None else {}),
+        }
+        return Scored(
+            {
+                name: evaluate_drafter(drafter, sequences, features, logits, self.sampling)
+                for name, drafter in drafters.items()
+            },
+            continuations,
+        )
 
 
 def metrics(
