@@ -312,3 +312,15 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     assert [r["position"] for r in table] == ["1", "2", "3"]
     assert set(table[0]) == {"position", "trained", "untrained"}
     assert (plots / "tau_histogram.csv").read_text().startswith("committed,trained,untrained")
+
+
+def test_a_subset_report_is_the_report_of_those_prompts():
+    def cycles(*committed: int) -> list[Cycle]:
+        return [Cycle(committed=c, accepted=c - 1, verifiable=7) for c in committed]
+
+    per_prompt = [cycles(4, 2), cycles(1), cycles(8, 8, 2)]
+    whole = TauReport(8, per_prompt, [[3.0], [1.0], [5.0, 6.0]])
+    part = whole.subset([0, 2])
+    alone = TauReport(8, [per_prompt[0], per_prompt[2]], [[3.0], [5.0, 6.0]])
+    assert part.tau == alone.tau == pytest.approx((3 + 6) / 2)
+    assert part.tau_sampled == alone.tau_sampled == pytest.approx((3 + 5.5) / 2)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.drafter.eval_sets import BENCHMARKS_DIR
+from draftline.data.eval_sets import BENCHMARKS_DIR
 from draftline.runtime import hardware, params, run_log
 from draftline.runtime.atomic import write_text
 
@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from draftline.core.target import load_model, load_tokenizer, prompt_ids, special_token_id
+    from draftline.data.eval_sets import benchmark_files, benchmark_messages, source_names
     from draftline.drafter.build import Hyperparameters, build_drafter
     from draftline.drafter.dflash import TargetHead
-    from draftline.drafter.eval_sets import benchmark_files, benchmark_messages, source_names
     from draftline.drafter.evaluation import Sampling
     from draftline.drafter.export import load_drafter
 

@@ -1,4 +1,4 @@
-"""Eval sets: benchmark prompt files in the formats users have, source names, report subsets."""
+"""Eval sets: benchmark prompt files in the formats users have, and source names."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.drafter.eval_sets import benchmark_files, benchmark_messages, source_names
-from draftline.drafter.evaluation import Cycle, TauReport
+from draftline.data.eval_sets import benchmark_files, benchmark_messages, source_names
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -59,15 +58,3 @@ def test_benchmark_files_are_named_by_stem_and_other_files_ignored(tmp_path):
 def test_source_names_are_stems_unless_two_share_one():
     assert source_names(["data/a/chat.jsonl", "data/b/code.parquet"]) == ["chat", "code"]
     assert source_names(["x/set.jsonl", "y/set.jsonl"]) == ["x/set.jsonl", "y/set.jsonl"]
-
-
-def test_a_subset_report_is_the_report_of_those_prompts():
-    def cycles(*committed: int) -> list[Cycle]:
-        return [Cycle(committed=c, accepted=c - 1, verifiable=7) for c in committed]
-
-    per_prompt = [cycles(4, 2), cycles(1), cycles(8, 8, 2)]
-    whole = TauReport(8, per_prompt, [[3.0], [1.0], [5.0, 6.0]])
-    part = whole.subset([0, 2])
-    alone = TauReport(8, [per_prompt[0], per_prompt[2]], [[3.0], [5.0, 6.0]])
-    assert part.tau == alone.tau == pytest.approx((3 + 6) / 2)
-    assert part.tau_sampled == alone.tau_sampled == pytest.approx((3 + 5.5) / 2)
