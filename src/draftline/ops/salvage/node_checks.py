@@ -61,11 +61,11 @@ def partial_journals(root: Path, finished: set[str]) -> list[Finding]:
         match = re.fullmatch(r"shard-0*(\d+)\.jsonl", journal.name)
         if not match or f"generate@{match.group(1)}" in finished:
             continue
-        lines = sum(1 for _ in journal.open("rb"))
+        turns = sum(1 for _ in journal.open("rb")) - 1  # the first line is the header
         findings.append(
             Finding(
                 False,
-                f"unfinished shard generate@{match.group(1)}: {lines} samples in "
+                f"unfinished shard generate@{match.group(1)}: {turns} finished turns in "
                 f"{journal.relative_to(root)} stay on this node (journals are not DVC outputs)",
                 f"let `dvc repro generate@{match.group(1)}` finish, then salvage again",
             )
