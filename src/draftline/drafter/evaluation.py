@@ -152,6 +152,37 @@ def target_logits(target: Any, tokens: Sequence[int], start: int) -> torch.Tenso
     return out.logits[0].float()
 
 
+def scored_anchors(
+    drafter: Any,
+    features: torch.Tensor,
+    tokens: Sequence[int],
+    prompt_len: int,
+    logits: torch.Tensor | None = None,
+    sampling: Sampling | None = None,
+) -> tuple[list[list[int]], list[float]]:
+    """Greedy drafts [B-1] and, given the target's `logits` (`target_logits(target, tokens,
+    prompt_len)`) and a `sampling`, the expected commit (see the module docstring) at every
+    anchor of the continuation, from one drafter pass over the anchors."""
+    ids = torch.as_tensor(list(tokens), dtype=torch.long)
+    anchors = torch.arange(prompt_len, max(prompt_len, len(ids) - 1))
+    drafts: list[list[int]] = []
+    commits: list[float] = []
+    for chunk, draft_logits in anchor_logits(drafter, features, ids, anchors):
+        drafts.extend(draft_logits.argmax(-1).cpu().tolist())
+        if logits is None or sampling is None:
+            continue
+        width = draft_logits.shape[1]
+        # Draft j of the block at anchor a is verified by the target's row for position a+j-1.
+        rows = chunk[:, None] - prompt_len + torch.arange(width, device=chunk.device)[None]
+        rows = rows.clamp(max=logits.shape[0] - 1).to(logits.device)
+        p = sampling_distribution(logits[rows], sampling)
+        q = sampling_distribution(draft_logits.to(logits.device), sampling)
+        alpha = torch.minimum(p, q).sum(-1)
+        left = (len(ids) - 1 - chunk).to(logits.device)
+        commits.extend(expected_commit(alpha, left).tolist())
+    return drafts, commits
+
+
 def sampled_commits(
     drafter: Any,
     features: torch.Tensor,
@@ -160,34 +191,16 @@ def sampled_commits(
     logits: torch.Tensor,
     sampling: Sampling,
 ) -> list[float]:
-    """Expected commit at every anchor of the continuation (see the module docstring).
-
-    logits: `target_logits(target, tokens, prompt_len)`.
-    """
-    ids = torch.as_tensor(list(tokens), dtype=torch.long)
-    anchors = torch.arange(prompt_len, max(prompt_len, len(ids) - 1))
-    out: list[float] = []
-    for chunk, draft_logits in anchor_logits(drafter, features, ids, anchors):
-        n, width = draft_logits.shape[:2]
-        # Draft j of the block at anchor a is verified by the target's row for position a+j-1.
-        rows = chunk[:, None] - prompt_len + torch.arange(width, device=chunk.device)[None]
-        rows = rows.clamp(max=logits.shape[0] - 1).to(logits.device)
-        p = sampling_distribution(logits[rows], sampling)
-        q = sampling_distribution(draft_logits.to(logits.device), sampling)
-        alpha = torch.minimum(p, q).sum(-1)
-        left = (len(ids) - 1 - chunk).to(logits.device)
-        out.extend(expected_commit(alpha, left).tolist())
-    return out
+    """Expected commit at every anchor of the continuation under speculative sampling."""
+    return scored_anchors(drafter, features, tokens, prompt_len, logits, sampling)[1]
 
 
 def walk_batched(
     drafter: Any, features: torch.Tensor, tokens: Sequence[int], prompt_len: int
 ) -> list[Cycle]:
     """The chained walk over drafts of every anchor computed in one batched pass."""
-    ids = torch.as_tensor(list(tokens), dtype=torch.long)
-    anchors = torch.arange(prompt_len, max(prompt_len, len(ids) - 1))
-    drafts = anchor_drafts(drafter, features, ids, anchors).tolist()
-    return chained_walk(ids.tolist(), prompt_len, lambda a: drafts[a - prompt_len])
+    drafts = scored_anchors(drafter, features, tokens, prompt_len)[0]
+    return chained_walk(list(tokens), prompt_len, lambda a: drafts[a - prompt_len])
 
 
 def walk_step_by_step(
@@ -271,9 +284,10 @@ def evaluate_drafter(
     """tau over held-out sequences: (prompt + greedy continuation ids, prompt length) each; with
     the target's `logits` of each (`target_logits`) and a `sampling`, also tau_sampled."""
     report = TauReport(block_size=int(drafter.config.block_size))
+    sampled = logits is not None and sampling is not None
     for i, ((tokens, prompt_len), feats) in enumerate(zip(sequences, features, strict=True)):
-        sampled = None
-        if logits is not None and sampling is not None:
-            sampled = sampled_commits(drafter, feats, tokens, prompt_len, logits[i], sampling)
-        report.add(walk_batched(drafter, feats, tokens, prompt_len), sampled)
+        target = logits[i] if logits is not None else None
+        drafts, commits = scored_anchors(drafter, feats, tokens, prompt_len, target, sampling)
+        cycles = chained_walk(list(tokens), prompt_len, lambda a: drafts[a - prompt_len])  # noqa: B023
+        report.add(cycles, commits if sampled else None)
     return report
