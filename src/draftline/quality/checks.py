@@ -10,6 +10,8 @@ the measurements directly (fast, for the guard); `draftline.quality.validation` 
 Rows are split in two: every row (ids, row count, failed requests) and the *answered* rows, whose
 request did not fail (`finish_reason != "error"`): the completion checks judge only those, so a
 failed request counts once, against the error bound, and not again as an empty completion.
+Multi-turn conversations are also judged per turn and per conversation
+(`draftline.quality.turns`): the scalar columns describe only their last turn.
 """
 
 from __future__ import annotations
@@ -39,8 +41,18 @@ COLUMNS = (
 MODE_COLUMN = "thinking"
 
 # Which rows a check judges: every row, the answered ones, or the answered ones of one thinking
-# mode (when a table mixes both, each mode is held to its own bounds).
-Rows = Literal["all", "answered", "thinking", "no_thinking"]
+# mode (when a table mixes both, each mode is held to its own bounds); for multi-turn tables
+# also every turn (of one mode) and every conversation (`draftline.quality.turns`).
+Rows = Literal[
+    "all",
+    "answered",
+    "thinking",
+    "no_thinking",
+    "turns",
+    "turns_thinking",
+    "turns_no_thinking",
+    "conversations",
+]
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ class Check:
     name: str
     description: str
     bound: str
-    rows: Rows  # which rows it judges: "all" or "answered"
+    rows: Rows  # which rows it judges (a key of `frames`)
     measure: Callable[[pd.DataFrame], float | None]
     accept: Callable[[float], bool]
     expectation: str  # class name in great_expectations.expectations
@@ -107,6 +119,8 @@ def row_modes(table: pd.DataFrame, thinking: bool) -> pd.Series:
 
 def frames(table: pd.DataFrame, thinking: bool) -> dict[str, pd.DataFrame]:
     """The rows each kind of check judges (see `Rows`)."""
+    from draftline.quality import turns  # it builds on this module: imported late, no cycle
+
     answered = answered_rows(table)
     mode = row_modes(answered, thinking)
     return {
@@ -114,6 +128,7 @@ def frames(table: pd.DataFrame, thinking: bool) -> dict[str, pd.DataFrame]:
         "answered": answered,
         "thinking": answered[mode],
         "no_thinking": answered[~mode],
+        **turns.frames(answered, thinking),
     }
 
 
@@ -132,9 +147,12 @@ def define_checks(
     only for rows with thinking on. A table that mixes both modes (`data.thinking_share`) holds
     each to its own bounds: the think block for thinking rows only, and completion lengths per
     mode (`no_thinking_completion_length_quantiles` for the rows without thinking); the checks
-    of the mode that is not the model's own carry its name as a suffix.
+    of the mode that is not the model's own carry its name as a suffix. Multi-turn tables add the
+    per-turn and per-conversation checks of `draftline.quality.turns`.
     """
-    q = _Thresholds(quality)
+    from draftline.quality import turns
+
+    q = Thresholds(quality)
     by_rows = frames(table, thinking)
     answered = by_rows["answered"]
     mixed = bool(len(by_rows["thinking"])) and bool(len(by_rows["no_thinking"]))
@@ -174,7 +192,7 @@ def define_checks(
             description="requests that failed after retries (finish_reason=error)",
             bound=f"<= {max_error:.2f} of samples",
             rows="all",
-            measure=lambda t: _share(t["finish_reason"] == "error"),
+            measure=lambda t: share_of(t["finish_reason"] == "error"),
             accept=lambda v: v <= max_error,
             expectation="ExpectColumnValuesToNotBeInSet",
             kwargs={"column": "finish_reason", "value_set": ["error"], "mostly": 1 - max_error},
@@ -183,24 +201,18 @@ def define_checks(
     )
 
     min_supervised = q.share("min_share_supervised")
-    for kind, suffix in _mode_rows(thinking, mixed):
+    for kind, suffix in mode_rows(thinking, mixed):
         min_tokens = q.int("min_supervised_tokens", kind)
         checks.append(
-            Check(
-                name=f"supervised_tokens_min{suffix}",
-                description=f"answered samples with at least {min_tokens} supervised tokens "
+            at_least_check(
+                f"supervised_tokens_min{suffix}",
+                f"answered samples with at least {min_tokens} supervised tokens "
                 "(loss_mask_sum" + (f", {suffix[1:].replace('_', ' ')} rows)" if suffix else ")"),
-                bound=f">= {min_supervised:.2f} of answered samples",
-                rows=kind,
-                measure=lambda t, n=min_tokens: _share(t["loss_mask_sum"] >= n),
-                accept=lambda v: v >= min_supervised,
-                expectation="ExpectColumnValuesToBeBetween",
-                kwargs={
-                    "column": "loss_mask_sum",
-                    "min_value": min_tokens,
-                    "mostly": min_supervised,
-                },  # fmt: skip
-                gx_observed=_gx_expected_share,
+                "answered samples",
+                kind,
+                "loss_mask_sum",
+                min_tokens,
+                min_supervised,
             )
         )
     mode = _mode(answered["loss_mask_sum"])
@@ -212,7 +224,7 @@ def define_checks(
             f"count ({mode if mode is not None else 'none'})",
             bound=f"<= {max_mode:.2f} of answered samples",
             rows="answered",
-            measure=lambda t: _share(t["loss_mask_sum"] == mode),
+            measure=lambda t: share_of(t["loss_mask_sum"] == mode),
             accept=lambda v: v <= max_mode,
             expectation="ExpectColumnValuesToNotBeInSet",
             kwargs={
@@ -244,7 +256,7 @@ def define_checks(
             description="answered samples cut off at max_new_tokens (finish_reason=length)",
             bound=f"<= {max_truncated:.2f} of answered samples",
             rows="answered",
-            measure=lambda t: _share(t["finish_reason"] == "length"),
+            measure=lambda t: share_of(t["finish_reason"] == "length"),
             accept=lambda v: v <= max_truncated,
             expectation="ExpectColumnValuesToNotBeInSet",
             kwargs={
@@ -264,11 +276,11 @@ def define_checks(
                 description="answered samples with a <think>...</think> block (thinking is on)",
                 bound=f">= {min_think:.2f} of answered samples",
                 rows="thinking" if mixed else "answered",
-                measure=lambda t: _share(t["has_think_block"].astype(bool)),
+                measure=lambda t: share_of(t["has_think_block"].astype(bool)),
                 accept=lambda v: v >= min_think,
                 expectation="ExpectColumnValuesToBeInSet",
                 kwargs={"column": "has_think_block", "value_set": [True], "mostly": min_think},
-                gx_observed=_gx_expected_share,
+                gx_observed=gx_expected_share,
             )
         )
     min_answer = q.share("min_answer_share")
@@ -279,19 +291,42 @@ def define_checks(
             description=f"answered samples with a non-empty answer {after}(answer_tokens >= 1)",
             bound=f">= {min_answer:.2f} of answered samples",
             rows="answered",
-            measure=lambda t: _share(t["answer_tokens"] >= 1),
+            measure=lambda t: share_of(t["answer_tokens"] >= 1),
             accept=lambda v: v >= min_answer,
             expectation="ExpectColumnValuesToBeBetween",
             kwargs={"column": "answer_tokens", "min_value": 1, "mostly": min_answer},
-            gx_observed=_gx_expected_share,
+            gx_observed=gx_expected_share,
         )
     )
-    for kind, suffix in _mode_rows(thinking, mixed):
+    for kind, suffix in mode_rows(thinking, mixed):
         checks += _length_checks(q.quantile_ranges(kind), kind, suffix)
-    return checks
+    return checks + turns.define_checks(by_rows, q, thinking=thinking)
 
 
-def _mode_rows(thinking: bool, mixed: bool) -> list[tuple[Rows, str]]:
+def at_least_check(
+    name: str,
+    description: str,
+    unit: str,
+    rows: Rows,
+    column: str,
+    min_value: int,
+    min_share: float,
+) -> Check:
+    """At least `min_share` of the rows have `column` >= `min_value`."""
+    return Check(
+        name=name,
+        description=description,
+        bound=f">= {min_share:.2f} of {unit}",
+        rows=rows,
+        measure=lambda t: share_of(t[column] >= min_value),
+        accept=lambda v: v >= min_share,
+        expectation="ExpectColumnValuesToBeBetween",
+        kwargs={"column": column, "min_value": min_value, "mostly": min_share},
+        gx_observed=gx_expected_share,
+    )
+
+
+def mode_rows(thinking: bool, mixed: bool) -> list[tuple[Rows, str]]:
     """(rows, name suffix) of the checks held per thinking mode: all answered rows under the
     model's mode, or each mode's rows when the table mixes them (the suffix names the mode that
     is not the model's own)."""
@@ -341,7 +376,8 @@ def run_checks(
     thinking: bool,
     expected_rows: int | None = None,
 ) -> list[CheckResult]:
-    """Evaluate every check on `table` (the scalar columns of COLUMNS) and return the results."""
+    """Evaluate every check on `table` (the scalar columns of COLUMNS, and the turn columns of
+    `draftline.quality.turns.TURN_COLUMNS` when it has them) and return the results."""
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
         raise ValueError(
@@ -373,7 +409,7 @@ def format_observed(value: float | None) -> str:
     return f"{value:.4f}"
 
 
-class _Thresholds:
+class Thresholds:
     """Typed access to `params["quality"]` with errors that name the missing key."""
 
     def __init__(self, quality: Mapping[str, Any]) -> None:
@@ -415,7 +451,7 @@ class _Thresholds:
         ]
 
 
-def _share(mask: pd.Series) -> float:
+def share_of(mask: pd.Series) -> float:
     return float(mask.mean()) if len(mask) else 0.0
 
 
@@ -440,7 +476,7 @@ def _gx_unexpected_share(result: dict[str, Any]) -> float | None:
     return None if percent is None else float(percent) / 100.0
 
 
-def _gx_expected_share(result: dict[str, Any]) -> float | None:
+def gx_expected_share(result: dict[str, Any]) -> float | None:
     share = _gx_unexpected_share(result)
     return None if share is None else 1.0 - share
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from draftline.quality import checks
+from draftline.quality import checks, turns
 from draftline.runtime import atomic
 
 
@@ -20,10 +20,13 @@ def validate_metrics(
     answered = checks.answered_rows(table)
     lengths = answered["num_completion_tokens"].to_numpy(dtype=np.float64)
     supervised = answered["loss_mask_sum"].to_numpy(dtype=np.float64)
+    multi = turns.multi_turn_rows(answered)  # what the per-turn checks' shares are of
     metrics: dict[str, Any] = {
         "passed": passed,
         "num_samples": len(table),
         "num_answered": len(answered),
+        "num_multi_turn": len(multi),
+        "num_multi_turn_turns": int(multi["turns"].sum()) if len(multi) else 0,
         "failed_checks": [r.name for r in checks.failures(results)],
         "checks": {r.name: {"observed": r.observed, "passed": r.passed} for r in results},
         "finish_reasons": {k: int(v) for k, v in table["finish_reason"].value_counts().items()},

@@ -1,5 +1,6 @@
-"""What validate reads: the scalar columns of every generated train shard (never the token
-lists) and the row counts curate expected; a missing shard or column stops it, naming the fix."""
+"""What validate reads: the scalar columns of every generated train shard and its per-turn lists
+(never the token lists), and the row counts curate expected; a missing shard or column stops it,
+naming the fix."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from draftline.quality import checks
+from draftline.quality import checks, turns
 
 
 def expected_rows(curate_summary: Path, shard_ids: list[int]) -> dict[int, int]:
@@ -46,15 +47,24 @@ def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:
 
 
 def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataFrame:
-    """The scalar columns of checks.COLUMNS from every shard, plus `shard` (its index)."""
+    """The scalar columns of checks.COLUMNS and the turn columns of turns.TURN_COLUMNS from every
+    shard, plus `shard` (its index)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
+    # Shards written before multi-turn generation lack these: null, so no multi-turn checks.
+    turn_types = {
+        "turns": pa.int32(),
+        "turn_finish_reasons": pa.list_(pa.string()),
+        "turn_loss_mask_sums": pa.list_(pa.int32()),
+        "turn_answer_tokens": pa.list_(pa.int32()),
+    }
+    columns = [*checks.COLUMNS, checks.MODE_COLUMN, *turns.TURN_COLUMNS]
     tables = []
     for path in tqdm(paths, desc="validate: read", unit="shard", disable=not progress):
         names = set(pq.read_schema(path).names)
-        wanted = [c for c in (*checks.COLUMNS, checks.MODE_COLUMN) if c in names]
+        wanted = [c for c in columns if c in names]
         missing = sorted(set(checks.COLUMNS) - names - {"completion_hash"})
         if missing:
             raise SystemExit(
@@ -73,9 +83,12 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
         table = table.append_column("shard", pa.array(np.full(len(table), shard, np.int32)))
         if checks.MODE_COLUMN not in names:  # written before thinking modes: the model's mode
             table = table.append_column(checks.MODE_COLUMN, pa.nulls(len(table), pa.bool_()))
-        tables.append(table.select([*checks.COLUMNS, checks.MODE_COLUMN, "shard"]))
+        for name in turns.TURN_COLUMNS:
+            if name not in names:
+                table = table.append_column(name, pa.nulls(len(table), turn_types[name]))
+        tables.append(table.select([*columns, "shard"]))
     if not tables:
-        return pd.DataFrame(columns=[*checks.COLUMNS, checks.MODE_COLUMN])
+        return pd.DataFrame(columns=columns)
     return pa.concat_tables(tables).to_pandas()
 
 

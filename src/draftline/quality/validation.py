@@ -1,12 +1,15 @@
 """The Great Expectations suite of generated data, built from the checks of
 `draftline.quality.checks`.
 
-Two suites, one per kind of rows a check judges: `draftline_all_rows` (every generated row: ids,
+One suite per kind of rows a check judges: `draftline_all_rows` (every generated row: ids,
 row count, failed requests) and `draftline_answered_rows` (rows whose request did not fail:
-supervised tokens, repetition, truncation, think blocks, answers, lengths). Each runs through
-its own Checkpoint (GX takes one dataframe per checkpoint run) with an UpdateDataDocsAction into
-one Data Docs site. A check passes only when GX and the pandas measurement of `quality` agree it
-passes: the two are the same definition, so a disagreement is a bug and fails safe.
+supervised tokens, repetition, truncation, think blocks, answers, lengths); in a thinking mix
+one per mode, and for multi-turn conversations one over their turns (per mode in a mix) and one
+over the conversations (`draftline.quality.turns`); a suite without checks or rows does not
+run. Each runs through its own Checkpoint (GX takes one dataframe per checkpoint run) with an
+UpdateDataDocsAction into one Data Docs site. A check passes only when GX and the pandas
+measurement of `quality` agree it passes: the two are the same definition, so a disagreement is
+a bug and fails safe.
 
 `import great_expectations` takes seconds: it is imported only inside `run_suite`.
 """
@@ -36,6 +39,10 @@ SUITES = {
     "answered": "draftline_answered_rows",
     "thinking": "draftline_thinking_rows",
     "no_thinking": "draftline_no_thinking_rows",
+    "turns": "draftline_turn_rows",
+    "turns_thinking": "draftline_thinking_turn_rows",
+    "turns_no_thinking": "draftline_no_thinking_turn_rows",
+    "conversations": "draftline_conversation_rows",
 }
 DOCS_SITE = "draftline"
 
