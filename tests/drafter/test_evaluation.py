@@ -276,9 +276,9 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     ])  # fmt: skip
     assert code == 0
     m = json.loads((tmp_path / "run.json").read_text())  # the full record
-    assert json.loads((tmp_path / "evaluate.json").read_text()) == {
-        k: m[k] for k in evaluate_stage.RESULT_KEYS if k in m  # per source: only with several
-    }
+    # Optional results (per source, per benchmark file) are absent here.
+    results = [k for k in evaluate_stage.RESULT_KEYS if k in m]
+    assert json.loads((tmp_path / "evaluate.json").read_text()) == {k: m[k] for k in results}
     assert m["num_prompts"] == 5 and m["hardware_profile"] == "cpu"
     for key in ("tau", "tau_untrained", "tau_sampled", "tau_sampled_untrained"):
         assert 1.0 <= m[key] <= B
