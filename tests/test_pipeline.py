@@ -385,6 +385,11 @@ def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
         frame["loss_mask_sum"] = [s.loss_mask_sum for s in stats]
         frame["completion_hash"] = completion_hash(ok)
         frame["completion_text"] = "OK.<|im_end|>"
+        # Every turn of a multi-turn conversation answered so too.
+        per_turn = list(zip(stats, frame["turns"], strict=True))
+        frame["turn_finish_reasons"] = [["stop"] * n for _, n in per_turn]
+        frame["turn_answer_tokens"] = [[s.answer_tokens] * n for s, n in per_turn]
+        frame["turn_loss_mask_sums"] = [[s.loss_mask_sum] * n for s, n in per_turn]
         frames.append((shard, frame))
     return frames
 
@@ -405,6 +410,7 @@ def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin,
     done = run(["draftline", "validate", "--no-progress"], bad, check=False)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "supervised_tokens_min" in done.stderr and "think_block_share" in done.stderr
+    assert "turn_answer_nonempty" in done.stderr  # the empty replies mid-conversation too
     assert json.loads((bad / "metrics/validate.json").read_text())["passed"] is False
 
     params = yaml.safe_load((bad / "params.yaml").read_text())
