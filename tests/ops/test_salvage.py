@@ -325,14 +325,14 @@ def test_shard_in_flight_journal_and_uncommitted_files_are_not_safe(
             time.sleep(0.2)
         journal = node / ".draftline" / "journal" / "generate" / "shard-3.jsonl"
         journal.parent.mkdir(parents=True)
-        journal.write_text('{"id": "a"}\n{"id": "b"}\n')
+        journal.write_text('{"journal": 1, "identity": {}}\n{"id": "a#0"}\n{"id": "a#1"}\n')
         (node / "scripts").mkdir()
         (node / "scripts" / "patch_server.sh").write_text("echo patched\n")
 
         done = salvage(node, env, "--no-push-git")
         assert done.returncode == 1
         assert "in flight: data/shards/shard-2.txt is being written by pid" in done.stdout
-        assert "unfinished shard generate@3: 2 samples" in done.stdout
+        assert "unfinished shard generate@3: 2 finished turns" in done.stdout
         assert "scripts/patch_server.sh" in done.stdout
         # What was finished is still saved.
         assert "SAFE      3 finished stages/files" in done.stdout

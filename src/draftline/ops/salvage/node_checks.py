@@ -61,7 +61,8 @@ def partial_journals(root: Path, finished: set[str]) -> list[Finding]:
         match = re.fullmatch(r"shard-0*(\d+)\.jsonl", journal.name)
         if not match or f"generate@{match.group(1)}" in finished:
             continue
-        turns = sum(1 for _ in journal.open("rb")) - 1  # the first line is the header
+        # One record per finished turn; the header line names the run, not a turn.
+        turns = sum(not line.startswith(b'{"journal"') for line in journal.open("rb"))
         findings.append(
             Finding(
                 False,
