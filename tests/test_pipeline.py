@@ -499,8 +499,9 @@ def test_bench_results_are_listed_by_exp_show_beside_tau(finished, tmp_path):
 def test_benchmark_files_and_sources_are_eval_sets_with_their_own_metrics(finished, tmp_path):
     """User-supplied benchmark prompt files (gsm8k- and mt-bench-style JSONL in data/benchmarks/,
     nothing downloaded) make evaluate rerun alone and report tau per file in `dvc exp show`; a
-    held-out split of two input files reports tau per source. On the same run, multi-turn
-    conversations were regenerated turn by turn into one sequence each."""
+    held-out split of two input files reports tau per source, one of two thinking modes tau per
+    mode. On the same run, multi-turn conversations were regenerated turn by turn into one
+    sequence each."""
     repo, _ = finished
     copy = tmp_path / "benchmarks"
     shutil.copytree(repo, copy, symlinks=True)
@@ -542,3 +543,15 @@ def test_benchmark_files_and_sources_are_eval_sets_with_their_own_metrics(finish
     per_source = json.loads((tmp_path / "evaluate.json").read_text())
     assert set(per_source["tau_source"]) == {"data/chat/set.0.jsonl", "data/code/set.1.jsonl"}
     assert per_source["tau"] == evaluated["tau"]
+
+    # A thinking mix in the held-out split: per-mode tau in `dvc exp show`. Only the rows' mode
+    # labels are flipped here (a real mix regenerates every stage: data.thinking_share), which is
+    # all evaluate groups by; the stage's own output stays as dvc.lock has it.
+    held_out = pd.read_parquet(copy / "data/generated/eval.parquet")
+    held_out["thinking"] = [i % 2 == 0 for i in range(len(held_out))]
+    mixed = tmp_path / "eval_mixed.parquet"
+    held_out.to_parquet(mixed)
+    run(["draftline", "evaluate", "--eval", str(mixed)], copy)
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], copy).stdout)
+    evaluated = shown[0]["data"]["metrics"]["metrics/evaluate.json"]["data"]
+    assert {"tau", "tau_sampled", "tau_thinking", "tau_no_thinking"} <= set(evaluated)
