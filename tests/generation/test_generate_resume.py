@@ -32,6 +32,16 @@ from draftline.generation.journal import Journal
 
 JOURNAL = Path(".draftline/journal/generate/shard-0.jsonl")
 ROOT = Path(__file__).resolve().parents[2]
+# The local engine on one thread, two prompts a batch: many batches, so a kill lands mid-shard.
+LOCAL_CPU = {
+    "name": "cpu",
+    "engine": "local",
+    "device": "cpu",
+    "precision": "fp32",
+    "num_threads": 1,
+    "local": {"batch_size": 2},
+    "sglang": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +114,8 @@ def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
 
 
 def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
-    hw = {
-        "name": "cpu",
-        "engine": "local",
-        "device": "cpu",
-        "precision": "fp32",
-        "num_threads": 1,
-        "local": {"batch_size": 2},
-        "sglang": None,
-    }
     ids = make_workdir(
-        tmp_path, model_dir, n=60, hardware=hw, max_new_tokens=40, generate={"guard": False}
+        tmp_path, model_dir, n=60, hardware=LOCAL_CPU, max_new_tokens=40, generate={"guard": False}
     )
     done_before = start_and_kill(tmp_path, random.Random().randint(2, 30))
     proc = run_generate(tmp_path, "--shard", "0")
@@ -304,20 +305,11 @@ def test_a_bundled_multi_turn_conversation_resumes_mid_conversation_to_the_same_
     model_dir = ROOT / "models/tiny-target"
     conversations = bundled_multi_turn_conversations(8)
     assert len(conversations) == 8
-    hw = {
-        "name": "cpu",
-        "engine": "local",
-        "device": "cpu",
-        "precision": "fp32",
-        "num_threads": 1,
-        "local": {"batch_size": 2},
-        "sglang": None,
-    }
     tables = []
     for name, kill in (("uninterrupted", False), ("killed", True)):
         work = tmp_path / name
         work.mkdir()
-        ids = make_workdir(work, model_dir, hardware=hw, max_new_tokens=128,
+        ids = make_workdir(work, model_dir, hardware=LOCAL_CPU, max_new_tokens=128,
                            messages=conversations, generate={"guard": False})  # fmt: skip
         if kill:  # every conversation has a first turn; some have their second: mid-way
             done_before = start_and_kill(work, len(ids) + 2)

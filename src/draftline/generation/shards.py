@@ -217,7 +217,7 @@ def run_shard(
         ]:
             pending = [r for r in nexts if isinstance(r, Request)]
             for unbuildable in (r for r in nexts if isinstance(r, Result)):
-                failed[unbuildable.id.rpartition("#")[0]] = unbuildable
+                failed[split_key(unbuildable.id)[0]] = unbuildable  # type: ignore[index]
             before = generated_turns
             engine.generate(pending, on_result)
             if generated_turns - before < len(pending):
