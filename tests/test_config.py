@@ -225,3 +225,64 @@ def test_compose_to_stdout_and_through_a_fifo(tmp_path: Path, repo_root: Path):
     finally:
         os.close(reader)
     assert yaml.safe_load(text)["model"]["name"] == "tiny"
+
+
+def test_a_typo_in_a_group_file_fails_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    """A user's conf/model file with `num_hiden_layers` would otherwise reach params.yaml."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    mine = (CONF / "model" / "tiny.yaml").read_text()
+    (conf / "model" / "mine.yaml").write_text(
+        mine.replace("name: tiny", "name: mine").replace("num_hidden_layers", "num_hiden_layers")
+    )
+    done = run_cli(
+        "compose", "model=mine", "--output", "-", "--config-dir", str(conf), cwd=tmp_path
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "unknown key model.num_hiden_layers; did you mean model.num_hidden_layers?" in lines[0]
+    # The same check in every group, nested keys included.
+    (conf / "quality" / "default.yaml").write_text(
+        (CONF / "quality" / "default.yaml").read_text() + "guard_windw: 4\n"
+    )
+    with pytest.raises(params.config_schema.UnknownKeyError, match="quality.guard_windw"):
+        params.compose([], conf)
+
+
+def test_an_unknown_override_fails_and_plus_adds_a_key_on_purpose() -> None:
+    with pytest.raises(params.config_schema.UnknownKeyError) as err:
+        params.compose(["data.sorces=[x]"], CONF)
+    assert str(err.value) == "unknown key data.sorces; did you mean data.sources?"
+    with pytest.raises(params.config_schema.UnknownKeyError, match="unknown key zzz; no part"):
+        params.compose(["zzz.qq=1"], CONF)
+    added = params.compose(["+model.my_note=kept", "++data.my_tag=2"], CONF)
+    assert added["model"]["my_note"] == "kept" and added["data"]["my_tag"] == 2
+    # Free-form sections stay free-form.
+    kwargs = params.compose(["+model.chat_template_kwargs.preserve_thinking=true"], CONF)
+    assert kwargs["model"]["chat_template_kwargs"]["preserve_thinking"] is True
+
+
+@pytest.mark.parametrize(
+    "path", ["/nonexistent/model", "./nope", "../nope/model", "models/tiny-targt"]
+)
+def test_a_local_model_path_that_does_not_exist_fails_at_compose(
+    path: str, tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(repo_root)  # models/ exists here: models/tiny-targt is a local path
+    composed = params.compose([f"model.path={path}"], CONF)
+    with pytest.raises(SystemExit) as err:
+        params.check_model_path(composed)
+    message = str(err.value)
+    assert message.startswith(f"model.path {path} does not exist on this machine")
+    assert "\n" not in message and "draftline compose model=tiny model.path=" in message
+
+
+def test_hub_ids_stay_hub_ids(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(repo_root)
+    for path in ("Qwen/Qwen3-8B", "models/tiny-target"):
+        params.check_model_path(params.compose([f"model.path={path}"], CONF))
+    composed = params.compose(["model.path=Qwen/Qwen3-8B"], CONF)
+    assert composed["model"]["target_id"] == "hub:Qwen/Qwen3-8B@unpinned"
+    done = run_cli("compose", "model.path=/nonexistent/model", "--output", "-", cwd=repo_root)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.check:
         return check(Path(args.output), args.config_dir, args.overrides or None)
-    text = params.to_yaml(params.compose(args.overrides, args.config_dir), args.overrides)
+    composed = params.compose(args.overrides, args.config_dir)
+    params.check_model_path(composed)
+    text = params.to_yaml(composed, args.overrides)
     if args.output == "-":
         sys.stdout.write(text)
         return 0

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from draftline.runtime import config_schema
+
 CONFIG_NAME = "config"
 # First line of a params.yaml composed with overrides: `compose --check` and `doctor` recompose
 # with them. A YAML comment, so no stage (and no DVC param) ever sees it.
@@ -19,7 +21,8 @@ HEADER = "# draftline compose"
 
 
 def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf") -> dict[str, Any]:
-    """Compose conf/config.yaml with Hydra overrides into a plain, resolved dict."""
+    """Compose conf/config.yaml with Hydra overrides into a plain, resolved dict; a key the
+    schema does not know fails (`config_schema`), unless an override added it with `+`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -28,13 +31,38 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf")
     from draftline.runtime.resolvers import register
 
     register()
+    config_schema.check_overrides(list(overrides or []))
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(Path(config_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
     OmegaConf.resolve(cfg)
     data = OmegaConf.to_container(cfg)
     assert isinstance(data, dict)
+    config_schema.check(data, list(overrides or []))
     return data
+
+
+def looks_local(path: str) -> bool:
+    """Whether model.path is meant as a folder on this machine, not a hub id `org/name`:
+    absolute, `./`, `../` or `~`, or its parent folder exists here (`models/my-target`)."""
+    if path.startswith(("/", "./", "../", "~")) or path in (".", ".."):
+        return True
+    parent = Path(path).expanduser().parent
+    return parent != Path(".") and parent.is_dir()
+
+
+def check_model_path(data: dict[str, Any]) -> None:
+    """A local-looking model.path that does not exist fails with one line naming the fix;
+    a hub id is left to the hub (a local path must never be recorded as a hub id)."""
+    model = data.get("model") or {}
+    path = str(model.get("path") or "")
+    if not path or not looks_local(path) or Path(path).expanduser().exists():
+        return
+    raise SystemExit(
+        f"model.path {path} does not exist on this machine: point model.path at a model folder "
+        f"(with config.json) or a hub id such as Qwen/Qwen3-8B (`draftline compose "
+        f"model={model.get('name')} model.path=...`)"
+    )
 
 
 def identity(p: dict[str, Any]) -> dict[str, Any]:
