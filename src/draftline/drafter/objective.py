@@ -17,11 +17,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-# Block tokens whose logits are materialised at once in the loss (bounds vocab-sized memory).
-LOSS_TOKENS_PER_CHUNK = 4096
+from draftline.drafter.linear_cross_entropy import linear_cross_entropy
 
 
 def keeps_sequence(loss_mask: torch.Tensor, block_size: int) -> bool:
@@ -189,47 +186,35 @@ def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _chunk_loss(
-    hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Only this chunk's logits are promoted to fp32, for an accurate softmax.
-    logits = F.linear(hidden.to(lm_head.dtype), lm_head).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    hits = (logits.argmax(-1) == labels).float()
-    return (ce * weights).sum(), hits
-
-
 def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    tokens_per_chunk: int = LOSS_TOKENS_PER_CHUNK,
+    tokens_per_chunk: int | None = None,
+    kernel: str = "auto",
 ) -> LossParts:
     """Weighted CE over drafter outputs hidden [b, N, B, H] with labels/weights [b, N, B].
 
-    The lm_head and CE run chunk by chunk under activation checkpointing, so vocab-sized
-    logits exist for one chunk at a time, in the forward and in the backward. The head is
-    cast to the matmul dtype once (a no-op for a bf16 head under bf16 autocast).
+    The frozen lm_head and the CE are fused (`draftline.drafter.linear_cross_entropy`): the
+    vocab-sized logits never exist for more than one chunk of tokens, in the forward or the
+    backward (which recomputes them), and the head gets no gradient. The head is cast to the
+    matmul dtype at most once (a no-op for a bf16 head under bf16 autocast). kernel: "auto"
+    (Liger's fused kernel where it runs, else the chunked torch path), "torch" or "liger";
+    tokens_per_chunk: rows per chunk of the torch path (None: sized by vocab / hidden).
     """
-    lm_head_weight = lm_head_weight.to(matmul_dtype(hidden))
+    lm_head_weight = lm_head_weight.detach().to(matmul_dtype(hidden))
     block = labels.shape[-1]
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
     flat_weights = weights.reshape(-1).float()
-    total = flat_hidden.new_zeros((), dtype=torch.float32)
-    hits = []
-    for start in range(0, flat_labels.numel(), tokens_per_chunk):
-        piece = slice(start, start + tokens_per_chunk)
-        args = (flat_hidden[piece], lm_head_weight, flat_labels[piece], flat_weights[piece])
-        if torch.is_grad_enabled():
-            part, hit = checkpoint(_chunk_loss, *args, use_reentrant=False)
-        else:
-            part, hit = _chunk_loss(*args)
-        total = total + part
-        hits.append(hit.detach())
+    total, hits = linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        lm_head_weight,
+        labels.reshape(-1),
+        flat_weights,
+        kernel=kernel,
+        chunk=tokens_per_chunk,
+    )
     supervised = (flat_weights > 0).float()
-    hit_all = torch.cat(hits) if hits else supervised
-    correct = (hit_all * supervised).view(-1, block).sum(0)
+    correct = (hits.float() * supervised).view(-1, block).sum(0)
     counted = supervised.view(-1, block).sum(0)
     return LossParts(total, correct, counted)
