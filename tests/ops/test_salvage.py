@@ -173,10 +173,11 @@ def test_notes_keep_no_secret_of_any_shape(node: Path, env: dict[str, str], tmp_
     # The environment's secret values go whole; the rest only where a secret is.
     assert "notify ***\nPOST ***\n" in log and "password=***" in log
     assert "step 10 loss=1.25 max_new_tokens=2048" in log
-    # The snapshot records an allow-list of variables: the planted ones are not even named.
+    # The snapshot keeps values by allow-list: the planted variables are named, no more.
     environment = yaml.safe_load(committed[folder / "node.json"])["environment"]
-    assert environment["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert not {"GH_PAT", "DB_PASS", "NOTIFY_URL", "METRICS_URL"} & set(environment)
+    assert environment["values"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert not {"GH_PAT", "DB_PASS", "NOTIFY_URL", "METRICS_URL"} & set(environment["values"])
+    assert {"GH_PAT", "DB_PASS", "NOTIFY_URL", "METRICS_URL"} <= set(environment["names_only"])
 
 
 def test_dry_run_prints_the_plan_and_changes_nothing(

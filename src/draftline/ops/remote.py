@@ -49,7 +49,7 @@ class RemoteInfo:
 
 def redact_url(url: str) -> str:
     """`scheme://user:pass@host/...` -> `scheme://***@host/...`."""
-    from draftline.ops.node_snapshot import redact_urls
+    from draftline.ops.redaction import redact_urls
 
     return redact_urls(url)
 
@@ -94,9 +94,10 @@ def describe_remote(root: str | Path, name: str | None = None) -> RemoteInfo:
 
 
 def config_secrets(root: str | Path) -> list[str]:
-    """Values of the credential options of every DVC remote (`.dvc/config.local`, the user's
-    and the system's config): a log may echo them, the salvage notes must not."""
-    from draftline.ops.node_snapshot import MIN_SECRET_LEN, is_secret_name
+    """Values of every DVC remote's credential options (`.dvc/config.local`, the user's and
+    the system's config) and its URLs (their user info and queries are secrets): a log may
+    echo them, the salvage notes must not."""
+    from draftline.ops.redaction import is_secret_name
 
     try:
         remotes = _dvc_config(Path(root)).get("remote", {})
@@ -107,7 +108,7 @@ def config_secrets(root: str | Path) -> list[str]:
             str(value)
             for section in remotes.values()
             for option, value in section.items()
-            if is_secret_name(option) and len(str(value)) >= MIN_SECRET_LEN
+            if is_secret_name(option) or "://" in str(value)
         },
         key=len,
         reverse=True,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.ops import node_snapshot, remote
+from draftline.ops import node_snapshot, redaction, remote
 from draftline.ops.salvage.finding import Finding, format_finding
 from draftline.ops.salvage.git_state import commit_and_push, uncommitted
 from draftline.ops.salvage.node_checks import (
@@ -80,7 +80,7 @@ def stop_servers(root: Path) -> list[Finding]:
         check=False,
     )
     if done.returncode != 0:
-        why = node_snapshot.redact_text((done.stderr or done.stdout).strip())[-300:]
+        why = redaction.redact_text((done.stderr or done.stdout).strip())[-300:]
         return [
             Finding(
                 False,
@@ -150,7 +150,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             out(f"  {i}. {step}")
         out("found so far (nothing was changed):")
         for f in findings:
-            out(node_snapshot.redact_text(format_finding(f), secrets))
+            out(redaction.redact_text(format_finding(f), secrets))
         return 0
 
     snap = _guard(findings, "node snapshot", lambda: node_snapshot.take_snapshot(root)) or {}
@@ -207,7 +207,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     findings += uncommitted(root)
 
     for f in findings:
-        out(node_snapshot.redact_text(format_finding(f), secrets))
+        out(redaction.redact_text(format_finding(f), secrets))
     bad = [f for f in findings if not f.safe]
     out("")
     if bad:
@@ -262,7 +262,7 @@ def _guard(findings: list[Finding], what: str, step: Callable[[], Any]) -> Any:
         else:
             findings.append(Finding(False, f"{what} failed: {exc}", "fix it and run again"))
     except Exception as exc:  # a failed step is reported, never lost in a traceback
-        text = node_snapshot.redact_text(f"{type(exc).__name__}: {exc}")[:400]
+        text = redaction.redact_text(f"{type(exc).__name__}: {exc}")[:400]
         findings.append(Finding(False, f"{what} failed: {text}", "fix it and run again"))
     return None
 

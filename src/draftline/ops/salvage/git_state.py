@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from draftline.ops import node_snapshot
+from draftline.ops import redaction
 from draftline.ops.salvage.finding import Finding
 from draftline.ops.salvage.remote_outputs import uncached_outputs
 
@@ -88,7 +88,7 @@ def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[F
     target = "origin" if "origin" in remotes else remotes[0]
     pushed = _git(root, "push") if has_upstream else _git(root, "push", "-u", target, "HEAD")
     if pushed.returncode != 0:
-        why = node_snapshot.redact_text(pushed.stderr.strip())[:300]
+        why = redaction.redact_text(pushed.stderr.strip())[:300]
         return findings + [
             Finding(
                 False, f"git push failed: {why}", "push the commit by hand before shutting down"

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from draftline.ops import node_snapshot
+from draftline.ops import redaction
 from draftline.ops.salvage.finding import Finding
 
 # --- in flight, disk, cache ----------------------------------------------------------------
@@ -45,7 +45,7 @@ def stages_in_flight(root: Path) -> list[Finding]:
             Finding(
                 False,
                 f"in flight: {rel} is being written by pid {info['pid']} "
-                f"({node_snapshot.redact_text(info['cmd'])}); its partial output is NOT saved",
+                f"({redaction.redact_text(info['cmd'])}); its partial output is NOT saved",
                 "wait for the stage to finish and run `draftline salvage` again, "
                 "or accept re-running that stage on the next node",
             )

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from draftline.ops import node_snapshot, remote
+from draftline.ops import node_snapshot, redaction, remote
 from draftline.ops.salvage.finding import Finding, format_finding
 from draftline.runtime import atomic
 
@@ -47,7 +47,7 @@ def gather_logs(root: Path, dest: Path, secrets: list[str]) -> list[str]:
             if keep < size:
                 text = f"[... first {size - keep} bytes left out ...]\n" + text
             rel = path.relative_to(root)
-            atomic.write_text(dest / "logs" / rel, node_snapshot.redact_text(text, secrets))
+            atomic.write_text(dest / "logs" / rel, redaction.redact_text(text, secrets))
             budget -= keep
             copied.append(str(rel))
     return copied
@@ -74,10 +74,9 @@ def journal_progress(root: Path) -> dict[str, int]:
 
 
 def known_secrets(root: Path) -> list[str]:
-    """Every secret value this node knows: the environment's secret-looking values and the
-    credentials in DVC's config (`.dvc/config.local`), longest first."""
-    found = set(node_snapshot.secret_values()) | set(remote.config_secrets(root))
-    return sorted(found, key=len, reverse=True)
+    """Every secret this node knows, longest first: the environment's values and their parts
+    (`redaction.secret_values`), and the credentials in DVC's config (`.dvc/config.local`)."""
+    return redaction.secret_values(extra=remote.config_secrets(root))
 
 
 def write_notes(
@@ -88,9 +87,9 @@ def write_notes(
     secrets: list[str],
 ) -> None:
     """NOTES.md, node.json and salvage.json, every string scrubbed: they are committed."""
-    atomic.write_json(dest / "node.json", node_snapshot.redact_data(snap, secrets))
+    atomic.write_json(dest / "node.json", redaction.redact_data(snap, secrets))
     salvage_json = {"findings": [asdict(f) for f in findings], **extra}
-    atomic.write_json(dest / "salvage.json", node_snapshot.redact_data(salvage_json, secrets))
+    atomic.write_json(dest / "salvage.json", redaction.redact_data(salvage_json, secrets))
     lines = [f"# Salvage of {snap['host']} at {snap['time_utc']}", ""]
     lines += [format_finding(f) for f in findings] + [""]
     lines += [
@@ -105,4 +104,4 @@ def write_notes(
         f"{HAZARD}.",
         "",
     ]
-    atomic.write_text(dest / "NOTES.md", node_snapshot.redact_text("\n".join(lines), secrets))
+    atomic.write_text(dest / "NOTES.md", redaction.redact_text("\n".join(lines), secrets))

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from draftline.ops import node_snapshot
+from draftline.ops import redaction
 from draftline.ops.salvage.finding import Finding
 from draftline.runtime import run_log
 
@@ -129,7 +129,7 @@ def dvc_push(root: Path, remote_name: str) -> tuple[bool, str]:
     done = subprocess.run(
         cmd, cwd=root, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL
     )
-    return done.returncode == 0, node_snapshot.redact_text(done.stdout + done.stderr)
+    return done.returncode == 0, redaction.redact_text(done.stdout + done.stderr)
 
 
 def _list(fs: Any, prefix: str) -> dict[str, dict[str, Any]]:
