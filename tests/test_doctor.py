@@ -1,13 +1,15 @@
 """`draftline doctor` on a node: a stale params.yaml, a missing model path or data source, and
-missing remote credentials are each reported with their fix; warnings do not fail."""
+missing or refused remote credentials are each reported with their fix; warnings do not fail."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
 from draftline.commands import doctor
 from draftline.runtime import params
@@ -60,14 +62,25 @@ def test_a_new_user_gets_each_problem_with_its_fix(node: Path):
     assert detail.startswith("stale: not conf/ composed by `draftline compose model.path=models/")
 
 
-def test_a_ready_node_passes_with_a_warning_for_an_uncached_hub_model(
-    node: Path, monkeypatch: pytest.MonkeyPatch
-):
+@pytest.fixture
+def s3(node: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    """The project's bucket on moto's S3 server, the node's remote pointed at it."""
+    server = S3Server()
+    server.start()
+    server.create_bucket("train-dflash-qwen36-27b")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
+    (node / ".dvc" / "config.local").write_text(
+        f'[remote "s3"]\n    endpointurl = {server.endpoint}\n'
+    )
+    yield server
+    server.stop()
+
+
+def test_a_ready_node_passes_with_a_warning_for_an_uncached_hub_model(node: Path, s3: S3Server):
     compose("model=qwen3_8b", "data=sharegpt")
     (node / "data" / "sharegpt").mkdir(parents=True)
     (node / "data" / "sharegpt" / "part-0.jsonl").write_text("{}\n")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
     found = rows()
     assert found["params.yaml"] == (True, "model=qwen3_8b data=sharegpt hardware=cpu")
     ok, detail = found["model path"]
@@ -75,15 +88,33 @@ def test_a_ready_node_passes_with_a_warning_for_an_uncached_hub_model(
     assert found["data sources"] == (True, "data/sharegpt")
     assert found["remote credentials"] == (
         True,
-        "s3 (s3://train-dflash-qwen36-27b/dvc): environment (AWS_ACCESS_KEY_ID)",
+        "s3 (s3://train-dflash-qwen36-27b/dvc): environment (AWS_ACCESS_KEY_ID); bucket "
+        f"'train-dflash-qwen36-27b' at {s3.endpoint} accepts the credentials",
     )
+
+
+def test_credentials_the_remote_refuses_are_named_as_such(node: Path, s3: S3Server):
+    """Present is not accepted: moto enforcing IAM auth refuses keys of no user (403)."""
+    from moto.core.authorization import enable_iam_authentication
+
+    compose()
+    with enable_iam_authentication():
+        ok, detail = rows()["remote credentials"]
+    assert ok is False
+    assert detail.startswith(
+        f"remote 's3': {s3.endpoint} refused the credentials for bucket 'train-dflash-qwen36-27b' "
+        "(HTTP 403)"
+    )
+    s3.stop()
+    ok, detail = rows()["remote credentials"]
+    assert ok is False and detail.startswith(f"remote 's3' is unreachable at {s3.endpoint}")
 
 
 def test_without_an_s3_remote_credentials_are_not_required(node: Path):
     compose()
     subprocess.run(["dvc", "remote", "default", "--local", "local"], check=True)
     ok, detail = rows()["remote credentials"]
-    assert ok is True and detail.startswith("local (") and detail.endswith("): none needed")
+    assert ok is True and detail.startswith("local (") and "): none needed; folder " in detail
     (node / ".dvc" / "config").write_text("")
     (node / ".dvc" / "config.local").write_text("")
     ok, detail = rows()["remote credentials"]

@@ -124,22 +124,41 @@ def test_credentials_in_committed_config_are_refused(repo: Path) -> None:
         remote.credential_source(repo, remote.describe_remote(repo))
 
 
-def test_reachable_and_unreachable_endpoint(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_access_is_checked_for_real_and_the_cause_named(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One signed HEAD on the bucket: accepted; refused (moto enforcing IAM auth, where these
+    keys belong to no user: 403); an unknown bucket (404); an endpoint that is gone."""
+    from moto.core.authorization import enable_iam_authentication
+
     server = S3Server()
     server.start()
     try:
         server.create_bucket("reach-bucket")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
-        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
         dvc_local(repo, "s3", "url", "s3://reach-bucket/dvc")
         dvc_local(repo, "s3", "endpointurl", server.endpoint)
         info = remote.describe_remote(repo)
-        remote.check_reachable(repo, info)
+        assert remote.check_access(repo, info) == (
+            f"bucket 'reach-bucket' at {server.endpoint} accepts the credentials"
+        )
+        with enable_iam_authentication(), pytest.raises(remote.RemoteError) as refused:
+            remote.check_access(repo, info)
+        first = str(refused.value).splitlines()[0]
+        assert first.startswith(
+            f"remote 's3': {server.endpoint} refused the credentials for bucket 'reach-bucket' "
+            "(HTTP 403): they are wrong, expired or lack access to the bucket"
+        )
+        assert "dvc remote modify --local s3 access_key_id" in str(refused.value)
+        assert SECRET_ACCESS_KEY not in str(refused.value)
+        dvc_local(repo, "s3", "url", "s3://no-such-bucket/dvc")
+        with pytest.raises(remote.RemoteError, match=r"bucket 'no-such-bucket' does not exist"):
+            remote.check_access(repo, remote.describe_remote(repo))
     finally:
         server.stop()
     with pytest.raises(remote.RemoteError, match=r"unreachable at http://127\.0\.0\.1:\d+"):
-        remote.check_reachable(repo, info)
+        remote.check_access(repo, info)
 
 
 def test_unknown_remote_names_the_known_ones(repo: Path) -> None:

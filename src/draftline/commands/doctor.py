@@ -4,9 +4,10 @@ remote, GPUs and the hardware profile `auto` would pick, free disk. Exits 1 when
 be fixed; warnings (yellow) do not stop the pipeline.
 
 The remote: the pipeline itself runs without one, but `draftline salvage` before a node shuts
-down needs it, and a node is the wrong place to find that out. So missing credentials for an s3
-default remote must be fixed; with no remote, or a non-s3 one, doctor only warns or says none
-are needed.
+down needs it, and a node is the wrong place to find that out. So credentials for an s3 default
+remote are checked for real (one signed HEAD on the bucket): missing, refused (401/403), an
+unknown bucket or an endpoint that does not answer must be fixed; with no remote, or a non-s3
+one, doctor only warns or says none are needed.
 """
 
 from __future__ import annotations
@@ -193,10 +194,11 @@ def _remote_row(root: Path) -> tuple[str, bool, str]:
         return ("remote credentials", True, f"warning: {err} (needed by `draftline salvage`)")
     try:
         source = remote.credential_source(root, info)
+        answer = remote.check_access(root, info)  # present is not accepted: ask the remote
     except remote.RemoteError as err:
         trial = "\nor, for a trial without S3: dvc remote default --local local"
         return ("remote credentials", False, f"{err}{trial}")
-    return ("remote credentials", True, f"{info.name} ({info.url}): {source}")
+    return ("remote credentials", True, f"{info.name} ({info.url}): {source}; {answer}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -169,20 +169,81 @@ def _botocore_source(info: RemoteInfo, section: dict[str, Any]) -> str:
     return f"AWS profile '{info.profile}' ({method})" if info.profile else f"botocore ({method})"
 
 
-def check_reachable(root: str | Path, info: RemoteInfo) -> None:
-    """List the remote's root once; `RemoteError` naming the endpoint when that fails."""
-    from dvc.repo import Repo
+def check_access(root: str | Path, info: RemoteInfo) -> str:
+    """One authenticated request to the remote (a HEAD on the bucket, signed with the
+    credentials DVC would use); what it answered, or `RemoteError` naming the cause:
+    credentials refused (401/403), no such bucket (404), or an endpoint that does not answer.
+    A local remote needs no request; other schemes are left to DVC."""
+    if info.kind == "local":
+        folder = Path(info.url)
+        folder = folder if folder.is_absolute() else Path(root) / ".dvc" / folder
+        if folder.is_dir():
+            return f"folder {folder.resolve()} is there"
+        return f"folder {folder.resolve()} is made by the first push"
+    if info.kind != "s3":
+        return f"not checked ({info.kind}: left to DVC)"
+    import botocore.exceptions
 
+    bucket = info.url.removeprefix("s3://").split("/", 1)[0]
+    where = redact_url(info.endpoint) if info.endpoint else "AWS S3"
     try:
-        with Repo(str(root)) as repo:
-            remote = repo.cloud.get_remote(info.name)
-            remote.fs.exists(remote.path)
-            if info.kind == "local":
-                Path(remote.path).mkdir(parents=True, exist_ok=True)
-    except Exception as exc:  # any failure here means "cannot push now"
-        where = redact_url(info.endpoint) if info.endpoint else info.url
+        _s3_client(root, info).head_bucket(Bucket=bucket)
+    except botocore.exceptions.ClientError as exc:
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        code = str(exc.response.get("Error", {}).get("Code") or "")
+        code = "" if code == str(status) else f" {code}"  # a HEAD has no body: no named code
+        if status in (401, 403):
+            raise RemoteError(
+                f"remote '{info.name}': {where} refused the credentials for bucket '{bucket}' "
+                f"(HTTP {status}{code}): they are wrong, expired or lack access to the bucket; "
+                + FIX_CREDENTIALS.format(name=info.name)
+            ) from None
+        if status == 404:
+            raise RemoteError(
+                f"remote '{info.name}': bucket '{bucket}' does not exist at {where} (HTTP 404): "
+                f"fix the URL (`dvc remote modify --local {info.name} url s3://BUCKET/dvc`) or "
+                "create the bucket"
+            ) from None
+        if status == 301:
+            raise RemoteError(
+                f"remote '{info.name}': bucket '{bucket}' is in another region (HTTP 301): "
+                f"`dvc remote modify --local {info.name} region REGION`"
+            ) from None
         raise RemoteError(
-            f"remote '{info.name}' is unreachable at {where}: {type(exc).__name__}: "
-            f"{redact_url(str(exc))[:300]}; check the network, the endpoint "
-            f"(`dvc remote modify --local {info.name} endpointurl URL`) and the bucket name"
+            f"remote '{info.name}': {where} answered HTTP {status}{code} for bucket '{bucket}'"
         ) from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise RemoteError(
+            f"remote '{info.name}' is unreachable at {where} ({type(exc).__name__}): check the "
+            f"network and the endpoint (`dvc remote modify --local {info.name} endpointurl URL`)"
+        ) from None
+    return f"bucket '{bucket}' at {where} accepts the credentials"
+
+
+def _s3_client(root: str | Path, info: RemoteInfo) -> Any:
+    """A botocore S3 client with DVC's view of this remote (endpoint, region, profile,
+    credentials of .dvc/config.local) that fails fast: one attempt, short timeouts."""
+    import botocore.config
+    import botocore.session
+
+    section = _dvc_config(Path(root)).get("remote", {}).get(info.name, {})
+    session = botocore.session.Session(profile=info.profile)
+    if section.get("credentialpath"):
+        session.set_config_variable("credentials_file", section["credentialpath"])
+    keys = {}
+    if section.get("access_key_id") and section.get("secret_access_key"):
+        keys = {
+            "aws_access_key_id": section["access_key_id"],
+            "aws_secret_access_key": section["secret_access_key"],
+            "aws_session_token": section.get("session_token"),
+        }
+    config = botocore.config.Config(
+        connect_timeout=10, read_timeout=20, retries={"max_attempts": 1, "mode": "standard"}
+    )
+    return session.create_client(
+        "s3",
+        endpoint_url=info.endpoint,
+        region_name=info.region or "us-east-1",
+        config=config,
+        **keys,
+    )

@@ -102,6 +102,8 @@ def plan(opts: Options, info: remote.RemoteInfo | None, notes: Path) -> list[str
         f"snapshot this node into {notes}/NOTES.md and node.json (secrets redacted)",
         f"copy logs from {', '.join(s + '/' for s in LOG_SOURCES)} and metrics/**/*.json "
         f"into {notes}/",
+        "one signed HEAD request on the bucket: are the credentials accepted, is the bucket "
+        "there; what the remote holds already (SAFE / WOULD BE LOST / NEVER HERE)",
         f"dvc push --run-cache -r {info.name if info else '?'}   -> {target}",
         "verify that the remote holds every object of dvc.lock and .dvc files "
         f"(.dir entries included) and the run-cache{' (download and hash)' if opts.deep else ''}",
@@ -129,15 +131,16 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     secrets = known_secrets(root)
 
     info: remote.RemoteInfo | None = None
-    credentials_ok = False
+    remote_ok = False
     try:
         info = remote.describe_remote(root, opts.remote)
         source = remote.credential_source(root, info)
+        answer = remote.check_access(root, info)  # one authenticated request, read-only
     except remote.RemoteError as exc:
         findings.append(Finding(False, str(exc).split("\n", 1)[0], _fix_of(exc)))
     else:
-        credentials_ok = True
-        findings.append(Finding(True, f"remote {info.describe()}; credentials: {source}"))
+        remote_ok = True
+        findings.append(Finding(True, f"remote {info.describe()}; credentials: {source}; {answer}"))
 
     findings += stages_in_flight(root)
     findings += partial_journals(root, locked_stages(root))
@@ -148,6 +151,12 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
         out("draftline salvage --dry-run: the plan")
         for i, step in enumerate(plan(opts, info, notes.relative_to(root)), 1):
             out(f"  {i}. {step}")
+        if info is not None and remote_ok:  # what a shutdown now would lose, before the push
+            now = _guard(
+                findings, "reading the remote", lambda: verify_remote(root, info.name, False)
+            )
+            if now is not None:
+                findings += verification_findings(now, info.url)
         out("found so far (nothing was changed):")
         for f in findings:
             out(redaction.redact_text(format_finding(f), secrets))
@@ -159,29 +168,23 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
 
     verification: Verification | None = None
     push_output = ""
-    if info is not None and credentials_ok:
-        try:
-            remote.check_reachable(root, info)
-        except remote.RemoteError as exc:
-            findings.append(Finding(False, str(exc), "fix the remote, then run salvage again"))
-        else:
-            ok, push_output = dvc_push(root, info.name)
-            if not ok:
-                findings.append(
-                    Finding(
-                        False,
-                        f"`dvc push --run-cache -r {info.name}` failed: "
-                        + _last_lines(push_output),
-                        "fix the cause above and run `draftline salvage` again",
-                    )
+    if info is not None and remote_ok:
+        ok, push_output = dvc_push(root, info.name)
+        if not ok:
+            findings.append(
+                Finding(
+                    False,
+                    f"`dvc push --run-cache -r {info.name}` failed: " + _last_lines(push_output),
+                    "fix the cause above and run `draftline salvage` again",
                 )
-            verification = _guard(
-                findings, "verifying the remote", lambda: verify_remote(root, info.name, opts.deep)
             )
-            if verification is not None and verification.missing:
-                verification = _repair(findings, root, info, verification, opts.deep)
-            if verification is not None:
-                findings += verification_findings(verification, info.url)
+        verification = _guard(
+            findings, "verifying the remote", lambda: verify_remote(root, info.name, opts.deep)
+        )
+        if verification is not None and verification.missing:
+            verification = _repair(findings, root, info, verification, opts.deep)
+        if verification is not None:
+            findings += verification_findings(verification, info.url)
 
     if opts.stop_servers:
         findings += stop_servers(root)
@@ -295,6 +298,8 @@ def _verification_summary(v: Verification | None) -> dict[str, Any] | None:
         "by_download": v.by_download,
         "missing": [asdict(o) for o in v.missing],
         "corrupted": [{**asdict(o), "why": why} for o, why in v.corrupted],
+        "never_here_in_remote": [asdict(o) for o in v.never_here],
+        "never_here_nor_in_remote": [asdict(o) for o in v.nowhere],
         "run_cache_checked": v.runs_checked,
         "run_cache_missing": v.runs_missing,
     }

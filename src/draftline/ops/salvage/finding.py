@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 @dataclass
 class Finding:
+    """`safe` decides the verdict; `label` tells a case apart in the report (WOULD BE LOST:
+    only on this node; NEVER HERE: named by dvc.lock, never on this node)."""
+
     safe: bool
     what: str
     fix: str = ""
+    label: str = ""
 
 
 def format_finding(f: Finding) -> str:
-    head = "SAFE     " if f.safe else "NOT SAFE "
-    return f"{head} {f.what}" + (f"\n          fix: {f.fix}" if f.fix else "")
+    head = f.label or ("SAFE" if f.safe else "NOT SAFE")
+    return f"{head:<9} {f.what}" + (f"\n          fix: {f.fix}" if f.fix else "")

@@ -33,12 +33,19 @@ class Expected:
 
 @dataclass
 class Verification:
+    """What the remote holds of what dvc.lock names, told apart by where each object is:
+    in the remote (SAFE), only on this node (`missing`: WOULD BE LOST), or never on this
+    node (`never_here` when the remote has it, `nowhere` when it does not either: another
+    node's output that it did not push; shutting this node down loses nothing of it)."""
+
     remote_url: str
     checked: int = 0
     by_etag: int = 0
     by_parts: int = 0
     by_download: int = 0
     missing: list[Expected] = field(default_factory=list)
+    never_here: list[Expected] = field(default_factory=list)
+    nowhere: list[Expected] = field(default_factory=list)
     corrupted: list[tuple[Expected, str]] = field(default_factory=list)
     runs_checked: int = 0
     runs_missing: list[str] = field(default_factory=list)
@@ -203,9 +210,14 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
             path = odb.oid_to_path(obj.oid)
             result.checked += 1
             info = listing.get(path)
+            here = (root / obj.path).exists() or Path(
+                repo.cache.local.oid_to_path(obj.oid)
+            ).exists()
             if info is None:
-                result.missing.append(obj)
+                (result.missing if here else result.nowhere).append(obj)
                 continue
+            if not here:
+                result.never_here.append(obj)
             if obj.oid.endswith(".dir"):
                 entries = _dir_entries(obj, repo.cache.local, fs, odb, listing)
                 if entries is None:
@@ -319,9 +331,12 @@ def _verify_run_cache(local_runs: Path, fs: Any, remote_root: str, result: Verif
 
 
 def verification_findings(v: Verification, where: str) -> list[Finding]:
+    """SAFE for what the remote holds, WOULD BE LOST for what only this node holds, NEVER
+    HERE for what dvc.lock names but this node never had (in the remote or not)."""
     findings = []
     owners_bad = sorted({o.owner for o in v.missing} | {o.owner for o, _ in v.corrupted})
-    owners_ok = sorted(set(v.owners) - set(owners_bad))
+    owners_away = {o.owner for o in v.never_here} | {o.owner for o in v.nowhere}
+    owners_ok = sorted(set(v.owners) - set(owners_bad) - owners_away)
     how = (
         f"{v.by_etag} by ETag=MD5, {v.by_parts} by multipart ETag of the local copy, "
         f"{v.by_download} downloaded and hashed"
@@ -340,16 +355,19 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
                 False,
                 f"{len(owners_bad)} stages/files not intact in {where}: {', '.join(owners_bad)} "
                 f"({v.checked} objects checked: {how})",
+                label="WOULD BE LOST" if v.missing and not v.corrupted else "",
             )
         )
+    findings += _never_here_findings(v, where, set(owners_bad))
     for obj in v.missing[:20]:
         findings.append(
             Finding(
                 False,
-                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid}), and not "
-                "intact in the local cache either",
+                f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid}), only on this "
+                "node, and not intact in its cache either",
                 f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
                 "remote, then run `draftline salvage` again",
+                label="WOULD BE LOST",
             )
         )
     for obj, why in v.corrupted[:20]:
@@ -378,4 +396,35 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
         )
     elif v.runs_checked:
         findings.append(Finding(True, f"run-cache: {v.runs_checked} entries in {where}"))
+    return findings
+
+
+def _never_here_findings(v: Verification, where: str, bad: set[str]) -> list[Finding]:
+    """Outputs dvc.lock names that this node never had: nothing of them is lost with it."""
+    nowhere = sorted({o.owner for o in v.nowhere} - bad)
+    in_remote = sorted({o.owner for o in v.never_here} - bad - set(nowhere))
+    findings = []
+    if in_remote:
+        findings.append(
+            Finding(
+                True,
+                f"{len(in_remote)} stages/files named by dvc.lock never ran on this node; "
+                f"their outputs are in {where}: {', '.join(in_remote)}",
+                label="NEVER HERE",
+            )
+        )
+    if nowhere:
+        paths = sorted({o.path for o in v.nowhere if o.owner in nowhere})
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        findings.append(
+            Finding(
+                True,
+                f"{len(nowhere)} stages/files named by dvc.lock were never on this node and are "
+                f"not (all) in {where} either: {', '.join(nowhere)} ({shown}); shutting this "
+                "node down loses nothing of them",
+                "on the node that ran them, run `draftline salvage`; or rerun them "
+                f"(`dvc repro {' '.join(nowhere)}`)",
+                label="NEVER HERE",
+            )
+        )
     return findings
