@@ -494,6 +494,48 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
         assert name in out
 
 
+def _plan_cli(repo_root: Path, *args: str, columns: int) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftline", "plan", *args],
+        cwd=repo_root,
+        env={**os.environ, "COLUMNS": str(columns)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("from_metrics", [False, True], ids=["plan", "from-metrics"])
+def test_cli_tables_fit_80_columns_with_every_figure_whole(
+    repo_root, tmp_path, run_metrics, from_metrics
+):
+    """In an 80-column terminal no line is longer and no figure is cut ("$5,1…" once): every
+    time and cost of the JSON plan appears whole in the tables."""
+    sizes = ["--samples", "914000", "--completion-tokens", "2500", "--prompt-tokens", "500"]
+    args = [*SEED, *sizes, "--metrics-dir", str(run_metrics if from_metrics else tmp_path)]
+    if from_metrics:
+        args.append("--from-metrics")
+    out = _plan_cli(repo_root, *args, columns=80)
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "…" not in out, out
+    result = json.loads(_plan_cli(repo_root, *args, "--json", columns=80))
+    plans = [result["planned"], result["measured"]] if from_metrics else [result]
+    figures = set()
+    for plan in plans:
+        for profile in plan["profiles"].values():
+            figures |= {plan_cmd.duration(s["seconds"]) for s in profile["stages"].values()}
+            for mode in ("offline", "online"):
+                figures.add(plan_cmd._money(profile["total"][mode]["cost_usd"]))
+                figures.add(plan_cmd.duration(profile["total"][mode]["seconds"]))
+    assert len(figures) > 10
+    for figure in figures:
+        assert figure in out, figure
+    if not from_metrics:
+        assert "Memory per GPU" in out and "OOM" in out
+
+
 def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_metrics):
     out = _main_json(
         capsys,

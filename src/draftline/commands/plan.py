@@ -275,7 +275,10 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
     from rich.table import Table
 
     console.print(_header(plan))
-    inputs = Table("input", "value", "source", title="Inputs", title_justify="left")
+    inputs = Table(title="Inputs", title_justify="left")
+    inputs.add_column("input", overflow="fold")
+    inputs.add_column("value", justify="right", no_wrap=True)
+    inputs.add_column("source", overflow="fold")
     for row in _input_rows(plan):
         inputs.add_row(*row)
     console.print(inputs)
@@ -288,40 +291,43 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         f"{s['online_token_packs_bytes'] / 1e9:,.1f} GB"
     )
     limit = plan["limits"]["time_limit_days"]
-    table = Table(
-        "profile",
-        "$/h",
-        "generate",
-        "extract",
-        "train offline",
-        "train online",
-        "total offline",
-        "total online",
-        "cost offline",
-        "cost online",
-        title=f"Wall time per stage (! over the {limit:g}-day limit)",
-        title_justify="left",
+    profiles = list(plan["profiles"].values())
+    rows: list[tuple[str, list[str]]] = [("$/h", [f"{p['price_per_hour']:g}" for p in profiles])]
+    rows += [
+        (key.replace("_", " "), [_stage_cell(p["stages"][key]) for p in profiles])
+        for key in planning.STAGES
+    ]
+    for mode in ("offline", "online"):
+        rows.append((f"total {mode}", [duration(p["total"][mode]["seconds"]) for p in profiles]))
+    for mode in ("offline", "online"):
+        rows.append((f"cost {mode}", [_money(p["total"][mode]["cost_usd"]) for p in profiles]))
+    console.print(
+        _by_profile(f"Wall time per stage (! over the {limit:g}-day limit)", profiles, rows)
     )
-    for p in plan["profiles"].values():
-        st, tot = p["stages"], p["total"]
-        table.add_row(
-            p["name"],
-            f"{p['price_per_hour']:g}",
-            *(_stage_cell(st[k]) for k in planning.STAGES),
-            duration(tot["offline"]["seconds"]),
-            duration(tot["online"]["seconds"]),
-            _money(tot["offline"]["cost_usd"]),
-            _money(tot["online"]["cost_usd"]),
-        )
-    console.print(table)
 
-    sources = Table("profile", "tok/s", "value", "source", title="Throughput", title_justify="left")
-    for p in plan["profiles"].values():
+    console.print("[bold]Throughput[/] (tokens/s)")
+    for p in profiles:
         for key, figure in p["throughput"].items():
-            sources.add_row(p["name"], key.removesuffix("_tok_s"), _rate(figure), figure["source"])
-    console.print(sources)
+            what = f"{p['name']} {key.removesuffix('_tok_s')}"
+            console.print(f"  {what}: [bold]{_rate(figure)}[/] [dim]({figure['source']})[/]")
     _print_memory(console, plan)
     _print_advice(console, plan)
+
+
+def _by_profile(
+    title: str, profiles: list[dict[str, Any]], rows: list[tuple[str, list[str]]]
+) -> Any:
+    """One column per profile, one row per figure: fits 80 columns with the three profiles,
+    and a figure never folds or loses digits (labels wrap first)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("", overflow="fold")
+    for p in profiles:
+        table.add_column(p["name"], justify="right", no_wrap=True)
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    return table
 
 
 def _memory_cell(info: dict[str, Any] | None) -> str:
@@ -332,27 +338,24 @@ def _memory_cell(info: dict[str, Any] | None) -> str:
 
 
 def _print_memory(console: Any, plan: dict[str, Any]) -> None:
-    from rich.table import Table
-
     rows = [p for p in plan["profiles"].values() if (p.get("memory") or {}).get("device_bytes")]
     if not rows:
         return
-    table = Table(
-        "profile", "GPU GiB", "extract", "train offline", "train online",
-        "held throughout (online)",
-        title="Memory per GPU, GiB (fake-tensor run of the project's code; 5% kept free)",
-        title_justify="left",
-    )  # fmt: skip
-    for p in rows:
-        mem = p["memory"]
-        stages = mem["stages"]
-        held = stages.get("train_online", {}).get("resident") or {}
-        table.add_row(
-            p["name"],
-            f"{mem['device_bytes'] / 2**30:,.1f}",
-            *(_memory_cell(stages.get(k)) for k in memory_plan.STAGES),
-            ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in held.items()),
-        )
+    table_rows: list[tuple[str, list[str]]] = [
+        ("GPU GiB", [f"{p['memory']['device_bytes'] / 2**30:,.1f}" for p in rows])
+    ]
+    for key in memory_plan.STAGES:
+        cells = [_memory_cell(p["memory"]["stages"].get(key)) for p in rows]
+        table_rows.append((key.replace("_", " "), cells))
+    held = [p["memory"]["stages"].get("train_online", {}).get("resident") or {} for p in rows]
+    for item in dict.fromkeys(k for h in held for k in h):
+        cells = [f"{h[item] / 2**30:,.1f}" if item in h else "—" for h in held]
+        table_rows.append((f"  held: {item.replace('_', ' ')}", cells))
+    table = _by_profile(
+        "Memory per GPU, GiB (fake-tensor run of the project's code; 5% kept free)",
+        rows,
+        table_rows,
+    )
     console.print(table)
 
 
@@ -365,43 +368,70 @@ def _print_advice(console: Any, plan: dict[str, Any]) -> None:
         console.print(f"[yellow]note[/] {note}")
 
 
-def print_comparison(console: Any, planned: dict[str, Any], measured: dict[str, Any]) -> None:
-    """Planned (estimates only) and measured (metrics where they exist) side by side."""
+def _figures_table(title: str, what: str) -> Any:
+    """Planned and measured figures whole (never folded); where each measured figure comes from
+    is listed under the table by its number, so the table fits 80 columns."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    table.add_column(what, overflow="fold")
+    table.add_column("planned", justify="right", no_wrap=True)
+    table.add_column("measured", justify="right", no_wrap=True)
+    table.add_column("src", justify="right", no_wrap=True)
+    return table
+
+
+def _stacked(cell: str) -> str:
+    """A figure's range under the figure, so two figures side by side fit 80 columns."""
+    return cell.replace(" (", "\n(", 1)
+
+
+def _print_with_sources(console: Any, table: Any, rows: list[tuple[str, str, str, str]]) -> None:
+    sources: list[str] = []
+    for label, planned, measured, source in rows:
+        ref = ""
+        if source:
+            sources.append(source)
+            ref = f"[{len(sources)}]"
+        table.add_row(label, planned, measured, ref)
+    console.print(table)
+    for i, source in enumerate(sources, 1):
+        console.print(f"  \\[{i}] {source}", style="dim", highlight=False)
+
+
+def print_comparison(console: Any, planned: dict[str, Any], measured: dict[str, Any]) -> None:
+    """Planned (estimates only) and measured (metrics where they exist) side by side."""
     console.print(_header(measured))
-    inputs = Table(
-        "input", "planned", "measured", "measured source", title="Inputs", title_justify="left"
+    _print_with_sources(
+        console,
+        _figures_table("Inputs", "input"),
+        [
+            (label, plan_value, value, source)
+            for (label, plan_value, _), (_, value, source) in zip(
+                _input_rows(planned), _input_rows(measured), strict=True
+            )
+        ],
     )
-    for (label, plan_value, _), (_, value, source) in zip(
-        _input_rows(planned), _input_rows(measured), strict=True
-    ):
-        inputs.add_row(label, plan_value, value, source)
-    console.print(inputs)
     for p_plan, p_meas in zip(
         planned["profiles"].values(), measured["profiles"].values(), strict=True
     ):
-        table = Table(
-            "figure",
-            "planned",
-            "measured",
-            "measured source",
-            title=p_meas["name"],
-            title_justify="left",
-        )
+        rows = []
         for key in p_meas["throughput"]:
             a, b = p_plan["throughput"][key], p_meas["throughput"][key]
-            table.add_row(key, _rate(a), _rate(b), b["source"])
+            label = key.replace("_tok_s", " tok/s").replace("_", " ")
+            rows.append((label, _stacked(_rate(a)), _stacked(_rate(b)), b["source"]))
         for key in planning.STAGES:
-            table.add_row(
-                f"{key} time",
-                _stage_cell(p_plan["stages"][key]),
-                _stage_cell(p_meas["stages"][key]),
-                p_meas["stages"][key]["source"],
+            rows.append(
+                (
+                    f"{key.replace('_', ' ')} time",
+                    _stacked(_stage_cell(p_plan["stages"][key])),
+                    _stacked(_stage_cell(p_meas["stages"][key])),
+                    p_meas["stages"][key]["source"],
+                )
             )
         for mode in ("offline", "online"):
             a, b = p_plan["total"][mode], p_meas["total"][mode]
-            table.add_row(f"total {mode}", duration(a["seconds"]), duration(b["seconds"]), "")
-            table.add_row(f"cost {mode}", _money(a["cost_usd"]), _money(b["cost_usd"]), "")
-        console.print(table)
+            rows.append((f"total {mode}", duration(a["seconds"]), duration(b["seconds"]), ""))
+            rows.append((f"cost {mode}", _money(a["cost_usd"]), _money(b["cost_usd"]), ""))
+        _print_with_sources(console, _figures_table(p_meas["name"], "figure"), rows)
     _print_advice(console, measured)
