@@ -116,8 +116,8 @@ def test_no_tensor_the_size_of_the_full_logits_is_allocated():
 
 def test_chunks_are_sized_by_vocabulary_over_hidden():
     assert tokens_per_chunk(32768, 248320, 5120) == 1024  # 49 chunks at the production shape
-    assert tokens_per_chunk(4096, 4096, 256) == 256
-    assert tokens_per_chunk(10, 1664, 64) == 128  # never below the minimum
+    assert tokens_per_chunk(65536, 4096, 256) == 4096
+    assert tokens_per_chunk(4096, 4096, 256) == 1024  # never below the minimum
 
 
 def test_an_unknown_kernel_is_refused():

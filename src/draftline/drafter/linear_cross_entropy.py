@@ -8,7 +8,8 @@ had been built, without building them:
   logits are computed in the head's dtype (the compute dtype: bf16 in production, so the head is
   never copied to fp32), promoted to fp32 for the softmax, reduced to the chunk's CE and hits
   and dropped. The backward recomputes each chunk's logits to form the gradient of the hidden
-  states; nothing vocabulary-sized is kept between the forward and the backward. Rows of weight
+  states (from each row's log-sum-exp, kept: [n] floats); nothing vocabulary-sized is kept
+  between the forward and the backward. Rows of weight
   0 (block output 0, padding, unsupervised labels) are skipped: they add nothing to the loss or
   its gradient. The head gets no gradient: it is the target's, frozen.
 - Liger's fused linear cross-entropy (Triton; pip `liger-kernel`, extra `[liger]`) where it runs:
@@ -30,8 +31,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 # Chunks are sized so that one chunk's logits take about as much memory as the hidden states
-# they come from (Liger's rule): ceil(V / H) chunks, at least this many rows each.
-MIN_TOKENS_PER_CHUNK = 128
+# they come from (Liger's rule): ceil(V / H) chunks, at least this many rows each (on a CPU
+# every matmul repacks the whole head: smaller chunks run several times slower).
+MIN_TOKENS_PER_CHUNK = 1024
 KERNELS = ("auto", "torch", "liger")
 LIGER_RELEASE = (0, 8, 2)
 
@@ -62,16 +64,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.empty(labels.shape, dtype=torch.bool, device=hidden.device)
+        # Per row, for the backward's softmax: [n] floats, not [n, V].
+        lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
         # The dtypes are chosen here, not by autocast (the backward runs without it).
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, labels.numel(), chunk):
                 rows = slice(start, start + chunk)
                 logits = _chunk_logits(hidden[rows], head)
+                lse[rows] = torch.logsumexp(logits, -1)
                 target = logits.gather(1, labels[rows, None]).squeeze(1)
-                total += ((torch.logsumexp(logits, -1) - target) * weights[rows]).sum()
+                total += ((lse[rows] - target) * weights[rows]).sum()
                 hits[rows] = logits.argmax(-1) == labels[rows]
                 del logits
-        ctx.save_for_backward(hidden, head, labels, weights)
+        ctx.save_for_backward(hidden, head, labels, weights, lse)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(hits)
         return total, hits
@@ -80,7 +85,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_total: torch.Tensor, _grad_hits: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        hidden, head, labels, weights = ctx.saved_tensors
+        hidden, head, labels, weights, lse = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         grad = torch.empty_like(hidden)
@@ -88,7 +93,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, labels.numel(), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             # d(w * CE)/d logits = w * (softmax - onehot), built in place in the chunk's logits.
-            probs = torch.softmax(_chunk_logits(hidden[rows], head), dim=-1)
+            probs = _chunk_logits(hidden[rows], head).sub_(lse[rows, None]).exp_()
             probs[torch.arange(probs.shape[0], device=probs.device), labels[rows]] -= 1.0
             probs *= scale[rows, None]
             grad[rows] = torch.mm(probs.to(head.dtype), head).to(hidden.dtype)
