@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -445,3 +447,172 @@ def test_full_disk_is_reported(node: Path, env: dict[str, str]) -> None:
     # No notes, so no commit: the lock stays uncommitted and is reported as such.
     assert run(["git", "rev-parse", "HEAD"], node, env).stdout == head
     assert "dvc.lock" in done.stdout
+
+
+def test_three_cases_safe_would_be_lost_and_never_here(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """A node that ran only the first stage (like curate), against a remote that holds a later
+    stage's outputs from another node (shard@0) or lost them (shard@1): before the push its
+    own output WOULD BE LOST, the others were NEVER HERE (in the remote or not), and after
+    the push it is SAFE to shut down. Two nodes with real `dvc repro`, push and git: ~40 s."""
+    # The other node finished prepare and two shards, pushed them and the lock.
+    run(["dvc", "push", "-q", "-r", "s3"], node, env)
+    run(["git", "add", "-A"], node, env)
+    run(["git", "commit", "-qm", "two shards"], node, env)
+    run(["git", "push", "-q", "origin", "main"], node, env)
+    lost = {path: oid for oid, path in lock_objects(node).items()}["data/shards/shard-1.txt"]
+    server.client().delete_object(Bucket=bucket, Key=remote_key(lost))
+
+    here = clone_node(tmp_path / "origin.git", tmp_path / "node-b", env, server, bucket)
+    prepare = here / "prepare.py"
+    prepare.write_text(prepare.read_text().replace("range(6)", "range(7)"))
+    run(["git", "commit", "-qam", "seven prompts per file"], here, env)
+    run(["dvc", "repro", "prepare"], here, env)
+
+    where = f"s3://{bucket}/dvc"
+    before = salvage(here, env, "--dry-run")
+    assert before.returncode == 0, before.stdout + before.stderr
+    lines = before.stdout.splitlines()
+    assert f"WOULD BE LOST 1 stages/files not intact in {where}: prepare (" in before.stdout
+    assert any(
+        line.startswith(f"WOULD BE LOST missing in {where}: data/prepared (prepare,")
+        for line in lines
+    )
+    assert (
+        f"NEVER HERE 1 stages/files named by dvc.lock never ran on this node; their outputs "
+        f"are in {where}: shard@0" in lines
+    )
+    assert any(
+        line.startswith("NEVER HERE 1 stages/files named by dvc.lock were never on this node and")
+        and f"not (all) in {where} either: shard@1 (data/shards/shard-1.txt)" in line
+        for line in lines
+    )
+
+    after = salvage(here, env)
+    assert after.returncode == 0, after.stdout
+    assert f"SAFE      1 finished stages/files in {where}: prepare (" in after.stdout
+    assert f"their outputs are in {where}: shard@0" in after.stdout
+    assert "either: shard@1" in after.stdout and "WOULD BE LOST" not in after.stdout
+    assert "VERDICT: SAFE" in after.stdout
+
+
+def test_refused_credentials_are_named_not_the_network(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> None:
+    """moto enforcing IAM auth refuses keys that belong to no user (403): salvage says so,
+    pushes nothing, and names the credentials as the fix."""
+    from moto.core.authorization import enable_iam_authentication
+
+    with enable_iam_authentication():
+        done = salvage(node, env, "--no-push-git")
+    assert done.returncode == 1
+    assert (
+        f"NOT SAFE  remote 's3': {server.endpoint} refused the credentials for bucket "
+        f"'{bucket}' (HTTP 403)" in done.stdout
+    )
+    assert "export AWS_ACCESS_KEY_ID=" in done.stdout and "unreachable" not in done.stdout
+    assert server.keys(bucket) == []
+    no_secrets(done.stdout, done.stderr)
+
+
+P_HF = "hf_PlantHfTok3nValue9x8y7z6w5v4u3t2s1"
+P_SERVICE_CRED = "svc-cred-Plant-7781"
+P_SHORT = "Zq7#k"
+P_DB_URL_PW = "dbUrlPw-Plant-55"
+P_ENDPOINT_PW = "EpPlant-9913"
+P_HOOK = "HkPlantSecret8842Path"
+P_API_KEY = "ak-Plant-3301"
+P_DSN_KEY = "f00dPlantDsnKey4242"
+P_CURL_PW = "CurlPlantPw-61"
+P_GIT_PW = "GitPlantPw-77"
+
+
+def everything_that_left(node: Path, tmp_path: Path, server: S3Server, bucket: str) -> list[str]:
+    """Every git object of the node and of its origin, and every object in the bucket."""
+    texts = []
+    for repo in (node, tmp_path / "origin.git"):
+        blobs = subprocess.run(
+            ["git", "cat-file", "--batch-all-objects", "--batch"],
+            cwd=repo,
+            capture_output=True,
+            check=True,
+        ).stdout
+        texts.append(blobs.decode("utf-8", errors="replace"))
+    client = server.client()
+    for key in server.keys(bucket):
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        texts.append(body.decode("utf-8", errors="replace"))
+    return texts
+
+
+def test_planted_secrets_leave_the_node_nowhere(
+    node: Path, env: dict[str, str], server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Secrets planted the ways a real node holds them -- environment values with and
+    without telling names, URLs with credentials (the project's own endpoint setting too),
+    a webhook path, a 5-character password, a DSN key, curl `-u` lines in a server log, a
+    JSON run log, a git remote with a password -- and printed in parts by logs. `doctor`,
+    `salvage --dry-run` and `salvage` run; every git object (node and origin), every bucket
+    object and all printed output hold none of them. Real dvc push and git: ~30 s."""
+    env.update(
+        HF_TOKEN=P_HF,
+        MY_SERVICE_CRED=P_SERVICE_CRED,
+        DB_PASS_SHORT=P_SHORT,
+        DATABASE_URL=f"postgres://trainer:{P_DB_URL_PW}@db.internal:5432/runs",
+        DRAFTLINE_SGLANG_ENDPOINTS=f"http://sgl:{P_ENDPOINT_PW}@127.0.0.1:30000",
+        NOTIFY_URL=f"https://hooks.slack.com/services/T0PLANT1/B0PLANT2/{P_HOOK}",
+        METRICS_URL=f"https://metrics.example/ingest?project=draftline&api_key={P_API_KEY}",
+        SENTRY_DSN=f"https://{P_DSN_KEY}@o1.ingest.example/42",
+    )
+    planted = [
+        P_HF, P_SERVICE_CRED, P_SHORT, P_DB_URL_PW, P_ENDPOINT_PW, P_HOOK, P_API_KEY, P_DSN_KEY,
+        P_CURL_PW, P_GIT_PW, ACCESS_KEY_ID, SECRET_ACCESS_KEY,
+    ]  # fmt: skip
+    mirror = f"https://deploy:{P_GIT_PW}@git.example/draftline.git"
+    run(["git", "remote", "add", "mirror", mirror], node, env)
+    (node / "logs" / "runs" / "generate").mkdir(parents=True)
+    (node / "logs" / "train.log").write_text(
+        f"connecting postgres://trainer:{P_DB_URL_PW}@db.internal:5432/runs\n"
+        f"db password {P_DB_URL_PW}\nwebhook token {P_HOOK}\napi_key value {P_API_KEY}\n"
+        f"service credential {P_SERVICE_CRED}\nshort password {P_SHORT}\n"
+        f"sentry key {P_DSN_KEY}\nhf {P_HF}\naws {ACCESS_KEY_ID} {SECRET_ACCESS_KEY}\n"
+        "step 10 loss=1.25 max_new_tokens=2048\n"
+    )
+    server_log = node / ".draftline" / "sglang" / "server.out"
+    server_log.parent.mkdir(parents=True)
+    server_log.write_text(
+        f"curl -u sgl:{P_ENDPOINT_PW} http://127.0.0.1:30000/health\n"
+        f"curl --user admin:{P_CURL_PW} http://127.0.0.1:30000/flush_cache\n"
+    )
+    (node / "logs" / "runs" / "generate" / "run.json").write_text(
+        json.dumps(
+            {
+                "endpoint": f"http://sgl:{P_ENDPOINT_PW}@127.0.0.1:30000",
+                "hf_token": P_HF,
+                "db_password": P_SHORT,
+                "note": f"api key {P_API_KEY} and {P_SERVICE_CRED}",
+            }
+        )
+    )
+    doctor = run([sys.executable, "-m", "draftline", "doctor"], node, env, check=False)
+    dry = salvage(node, env, "--dry-run")
+    done = salvage(node, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = [p.stdout + p.stderr for p in (doctor, dry, done)]
+    left = everything_that_left(node, tmp_path, server, bucket)
+    # The notes really went out: the logs, the run log and the snapshot are in origin.
+    committed = left[1]
+    assert "step 10 loss=1.25" in committed and "run.json" in committed
+    assert "http://127.0.0.1:30000" in committed and "MY_SERVICE_CRED" in committed
+    assert "curl --user admin:***" in committed and "draftline doctor" in printed[0]
+    hits = [
+        (secret, form)
+        for secret in planted
+        for form in {secret, urllib.parse.quote(secret, safe="")}
+        for text in [*printed, *left]
+        if form in text
+    ]
+    print(f"planted {len(planted)} secrets; searched {len(printed) + len(left)} texts; "
+          f"found {len(hits)}")  # fmt: skip
+    assert hits == []
