@@ -10,9 +10,10 @@ It works with any HF decoder whose text model keeps its blocks in `.layers`: a c
 (`Qwen3_5ForConditionalGeneration`: `model.language_model.layers`), whose text model alone runs
 (the vision tower never does). The model's own forward builds masks and positions (padding,
 packed sequences, sliding windows), forward hooks collect the chosen layers' outputs, and the
-hook on the last one ends the forward. Hybrid models (Gated DeltaNet `linear_attention` layers)
-carry a recurrent state along the row, so packed sequences would leak into each other there:
-they take padded rows only.
+hook on the last one ends the forward (unless it is the decoder's last layer: then the forward
+ends by itself, which a sharded target needs, see `needed_layers_only`). Hybrid models (Gated
+DeltaNet `linear_attention` layers) carry a recurrent state along the row, so packed sequences
+would leak into each other there: they take padded rows only.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def target_layer_states(
     def keep(layer_id: int):
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            if layer_id == last:
+            if layer_id == last < len(layers) - 1:
                 raise _EnoughLayers
 
         return hook
@@ -117,3 +118,22 @@ def target_layer_states(
     if last not in captured:
         raise RuntimeError(f"the forward ended before layer {last}: is the model truncated?")
     return torch.cat([captured[i] for i in ids], dim=-1)
+
+
+def needed_layers_only(model: Any, layer_ids: Sequence[int]) -> torch.nn.Module:
+    """The target's text decoder cut after the last of `layer_ids`: what online training keeps.
+
+    The decoder layers after it, and the lm_head (the drafter reads its own copy of the
+    target's head), never run for features, so they are not held. The forward of the cut
+    decoder runs to its end (no early exit), which FSDP2 needs: a sharded root's
+    post-forward must run. `target_layer_states` gives the same states on both.
+    """
+    base = text_model(model)
+    keep = max(int(i) for i in layer_ids) + 1
+    config = base.config
+    if keep < len(base.layers):
+        base.layers = torch.nn.ModuleList(list(base.layers)[:keep])
+        config.num_hidden_layers = keep
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types)[:keep]
+    return base

@@ -8,9 +8,13 @@
   over the whole global batch divided by its total weight, so every split gives the same
   gradient (up to float summation order). Anchors are seeded per sample and epoch.
 - AdamW, cosine schedule with linear warmup, gradient clipping; precision fp32 or bf16
-  (autocast, fp32 master weights) from the hardware profile; DDP through torchrun.
-- A checkpoint (model, optimiser, schedule, step) is written atomically every few steps; a
-  rerun resumes from it and ends where an uninterrupted run would have.
+  (autocast, fp32 master weights) from the hardware profile; DDP or FSDP2 through torchrun,
+  with or without activation checkpointing, as the profile lays it out
+  (`draftline.drafter.sharding`). Online, the frozen target is cut after its last needed layer
+  and, under FSDP, sharded too.
+- A checkpoint (model, optimiser, schedule, step; `draftline.drafter.checkpoints`) is written
+  every few steps with torch.distributed.checkpoint; a rerun, on the same or another world
+  size, resumes from it and ends where an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -25,19 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 
+from draftline.drafter import checkpoints, sharding
 from draftline.drafter.build import Hyperparameters, build_drafter, load_target_head
 from draftline.drafter.dflash import DFlashDrafter
 from draftline.drafter.objective import (
+    LossParts,
     MicroBatch,
     block_loss,
     collate,
     make_blocks,
 )
 from draftline.drafter.packs import ExtractedData
-from draftline.runtime import atomic, distributed
+from draftline.drafter.sharding import Layout
+from draftline.runtime import distributed
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 POSITION_PREFIX = "acc_pos/"  # history keys acc_pos/1 .. acc_pos/B-1: accuracy per position
@@ -50,7 +57,8 @@ class RunOptions:
     device: str = "cpu"
     precision: str = "fp32"
     micro_batch_size: int = 4
-    checkpoint_path: Path | None = None
+    layout: Layout = field(default_factory=Layout)  # sharding, activation checkpointing
+    checkpoint_path: Path | None = None  # a folder (`draftline.drafter.checkpoints`)
     checkpoint_every: int = 50
     live_dir: Path | None = None
     progress: bool = True
@@ -126,21 +134,6 @@ def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedD
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    with atomic.atomic_path(path) as tmp:
-        torch.save(state, tmp)
-
-
-def load_checkpoint(path: Path | None, fingerprint: str) -> dict[str, Any] | None:
-    if path is None or not path.exists():
-        return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("fingerprint") != fingerprint:
-        print(f"{path}: belongs to other params or data, starting afresh")
-        return None
-    return state
-
-
 # ---------------------------------------------------------------------------------------------
 # Metrics
 
@@ -190,6 +183,34 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
+def step_loss(
+    trained: nn.Module, lm_head_weight: torch.Tensor, features: torch.Tensor, mb: MicroBatch
+) -> LossParts:
+    """The drafter's forward and the objective on one micro-batch: the one place the loss is
+    called, by the loop and by the memory plan (`draftline.drafter.memory`)."""
+    hidden = trained(features, mb.block_ids, mb.anchors)
+    return block_loss(hidden, lm_head_weight, mb.labels, mb.weights)
+
+
+def load_online_target(
+    model: dict[str, Any],
+    layer_ids: list[int],
+    device: torch.device,
+    precision: str,
+    layout: Layout,
+    world_size: int,
+) -> nn.Module:
+    """The frozen target that computes features online: in the run's precision, straight onto
+    its device, cut after its last needed layer, and sharded per layer under FSDP."""
+    from draftline.core.target import load_model
+    from draftline.drafter.features import needed_layers_only
+
+    target = needed_layers_only(load_model(model, device=str(device), dtype=precision), layer_ids)
+    if layout.sharding == "fsdp" and world_size > 1:
+        sharding.shard_target(target, sharding.mesh(device, world_size))
+    return target
+
+
 def train(
     data_dir: str | Path,
     model: dict[str, Any],
@@ -218,11 +239,11 @@ def train(
     layer_ids = list(drafter.config.target_layer_ids)
     target_lm = None
     if data.online:
-        from draftline.core.target import load_model
-
-        # In the run's precision, straight onto its device: frozen, never trained.
-        target_lm = load_model(model, device=str(device), dtype=run.precision)
-
+        target_lm = load_online_target(
+            model, layer_ids, device, run.precision, run.layout, world.size
+        )
+    # The module the loop calls: the drafter, DDP's wrapper of it, or the drafter sharded.
+    trained = sharding.lay_out(drafter, run.layout, world.size, device)
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
     )
@@ -230,19 +251,12 @@ def train(
         optimizer, cosine_with_warmup(total_steps, hp.warmup_ratio)
     )
     fingerprint = run_fingerprint(model, hp, data)
-    state = load_checkpoint(run.checkpoint_path, fingerprint)
+    state = checkpoints.load(run.checkpoint_path, drafter, optimizer, fingerprint)
     start_step, history, tokens, seconds = 0, [], 0, 0.0
     if state is not None:
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         start_step, history = int(state["step"]), list(state["history"])
         tokens, seconds = int(state.get("tokens", 0)), float(state.get("seconds", 0.0))
-    trained = drafter
-    if world.size > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            drafter, device_ids=[device.index] if device.type == "cuda" else None
-        )
 
     metrics = Metrics(run.live_dir, history, world.is_main)
     bar = tqdm(
@@ -290,14 +304,12 @@ def train(
             for number, (share, mb) in enumerate(micro):
                 mb = mb.to(device)
                 features = _features(data, share, mb, target_lm, layer_ids, device)
-                sync = number == len(micro) - 1 or world.size == 1
                 with (
-                    contextlib.nullcontext() if sync else trained.no_sync(),
+                    sharding.gradient_sync(trained, number == len(micro) - 1),
                     autocast(device.type, run.precision),
                 ):
-                    hidden = trained(features, mb.block_ids, mb.anchors)
-                    parts = block_loss(hidden, head.lm_head_weight, mb.labels, mb.weights)
-                    # DDP averages gradients over processes; the sum is what we want.
+                    parts = step_loss(trained, head.lm_head_weight, features, mb)
+                    # DDP and FSDP average gradients over processes; the sum is what we want.
                     (parts.weighted_ce * world.size / total_weight).backward()
                 sums[0] += parts.weighted_ce.detach().double()
                 sums[1] += mb.num_tokens
@@ -311,7 +323,9 @@ def train(
             distributed.all_sum_tensor(sums)
             seconds += time.perf_counter() - began
             tokens += int(sums[1])
-            record = _step_record(sums, total_weight, hp.block_size, lr, float(grad_norm))
+            record = _step_record(
+                sums, total_weight, hp.block_size, lr, sharding.local_float(grad_norm)
+            )
             history.append(record)
             metrics.log(step, record)
             bar.update(1)
@@ -320,27 +334,17 @@ def train(
             if run.checkpoint_path is not None and (
                 done % run.checkpoint_every == 0 or done == total_steps
             ):
-                if world.is_main:
-                    save_checkpoint(
-                        run.checkpoint_path,
-                        {
-                            "fingerprint": fingerprint,
-                            "step": done,
-                            "model": drafter.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "schedule": schedule.state_dict(),
-                            "history": history,
-                            "tokens": tokens,
-                            "seconds": seconds,
-                        },
-                    )
-                if world.size > 1:
-                    dist.barrier()
+                progress = {
+                    "fingerprint": fingerprint, "step": done, "schedule": schedule.state_dict(),
+                    "history": history, "tokens": tokens, "seconds": seconds,
+                    "world_size": world.size, **run.layout.describe(),
+                }  # fmt: skip
+                checkpoints.save(run.checkpoint_path, drafter, optimizer, progress)
     finally:
         bar.close()
         metrics.close()
     return TrainResult(
-        drafter=drafter,
+        drafter=_whole(drafter, head, world),
         steps=total_steps,
         history=history,
         tokens=tokens,
@@ -352,6 +356,21 @@ def train(
         resumed_from_step=start_step,
         extra={"steps_per_epoch": steps_per_epoch, "online": data.online},
     )
+
+
+def _whole(drafter: DFlashDrafter, head: Any, world: World) -> DFlashDrafter:
+    """The trained drafter as one plain module on the main process (FSDP's shards gathered:
+    every process takes part); the others keep their shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(drafter, FSDPModule):
+        return drafter
+    state = sharding.full_state_dict(drafter)
+    if not world.is_main:
+        return drafter
+    whole = DFlashDrafter(drafter.config, head.to("cpu"))
+    whole.load_state_dict(state)
+    return whole
 
 
 def _features(

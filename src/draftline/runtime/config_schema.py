@@ -101,6 +101,8 @@ SCHEMA: Schema = {
         "precision": None,
         "processes_per_node": None,
         "micro_batch_size": None,
+        "sharding": None,
+        "activation_checkpointing": None,
         "local": {"batch_size": None},
         "extract_tokens_per_batch": None,
         "num_threads": None,

@@ -1,10 +1,12 @@
 """Stage `train`: extracted data -> DFlash drafter (`models/drafter/`), metrics and plots.
 
-With a hardware profile of several processes per node it reruns itself as that many DDP
-processes (`distributed.run_in_local_processes`, rendezvous on loopback); under a torchrun the
-user started (several nodes) it takes its rank from the environment.
-A killed run resumes from `.draftline/train/checkpoint.pt` (working state, not a DVC output)
-and ends exactly where an uninterrupted run would have.
+With a hardware profile of several processes per node it reruns itself as that many processes
+(`distributed.run_in_local_processes`, rendezvous on loopback), laid out as the profile says
+(`sharding: ddp | fsdp`, `activation_checkpointing`); under a torchrun the user started
+(several nodes) it takes its rank from the environment.
+A killed run resumes from `.draftline/train/checkpoint/` (working state, not a DVC output; a
+torch.distributed.checkpoint folder, so on the same or another world size) and ends exactly
+where an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live", default="dvclive/train", help="dvclive folder (plots)")
     parser.add_argument("--plots", default="plots/train", help="folder of plot CSVs")
     parser.add_argument(
-        "--checkpoint", default=".draftline/train/checkpoint.pt", help="resume state"
+        "--checkpoint", default=".draftline/train/checkpoint", help="resume state (a folder)"
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=25, help="steps between checkpoints"
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return relaunched
 
     from draftline.drafter.export import export_drafter
+    from draftline.drafter.sharding import Layout
     from draftline.drafter.training import Hyperparameters, RunOptions, train
 
     execution = hardware.Execution.of(profile)
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         device=execution.device,
         precision=execution.precision,
         micro_batch_size=execution.micro_batch_size,
+        layout=Layout.of(profile),
         checkpoint_path=Path(args.checkpoint),
         checkpoint_every=args.checkpoint_every,
         live_dir=Path(args.live),
@@ -107,6 +111,7 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "micro_batch_size": options.micro_batch_size,
         "global_batch_size": hp.global_batch_size,
         "features": "online" if result.extra.get("online") else "offline",
+        **options.layout.describe(),
         **hardware.describe(profile),
     }
 

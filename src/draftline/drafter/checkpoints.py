@@ -1,0 +1,109 @@
+"""A training run's resume state, written with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a folder: the drafter's and the optimizer's state as DCP writes them (each
+process its own shards under FSDP, the replicated tensors once under DDP), and `progress.pt`
+(step, history, schedule, token and time counters, the run's fingerprint) from the main
+process. DCP reshards on load, so a run killed on one world size or layout resumes on another.
+
+The folder is written under a temporary name and renamed into place once every process has
+finished its part: a kill -9 at any moment leaves the previous checkpoint whole (the previous
+one is moved aside first and is read if the new one never arrived). With several nodes the
+folder must be on storage every node sees, as every process writes its own shards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftline.runtime import distributed
+
+PROGRESS_FILE = "progress.pt"
+
+
+def _aside(path: Path) -> Path:
+    return path.parent / f".{path.name}.previous"
+
+
+def _staging(path: Path, step: int) -> Path:
+    return path.parent / f".{path.name}.step{step}.tmp"
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, progress: dict[str, Any]
+) -> None:
+    """Write the checkpoint of `progress["step"]`; every process calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    main = distributed.rank() == 0
+    staging = _staging(path, int(progress["step"]))
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)  # a torn attempt of an earlier run
+        staging.parent.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    dcp.save(_state(model, optimizer), checkpoint_id=str(staging))
+    distributed.barrier()
+    if main:
+        with open(staging / PROGRESS_FILE, "wb") as f:
+            torch.save(progress, f)
+            f.flush()
+            os.fsync(f.fileno())
+        aside = _aside(path)
+        shutil.rmtree(aside, ignore_errors=True)
+        if path.exists():
+            os.replace(path, aside)
+        os.replace(staging, path)
+        shutil.rmtree(aside, ignore_errors=True)
+    distributed.barrier()
+
+
+def read_progress(path: Path | None) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, progress) of the checkpoint at `path`, or of the one set aside while a newer
+    one was being put in place; None when there is none."""
+    if path is None:
+        return None
+    for folder in (path, _aside(path)):
+        file = folder / PROGRESS_FILE
+        if file.is_file():
+            return folder, torch.load(file, map_location="cpu", weights_only=False)
+    return None
+
+
+def load(
+    path: Path | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fingerprint: str,
+) -> dict[str, Any] | None:
+    """Restore model and optimizer from the checkpoint at `path` when it belongs to this run
+    (same fingerprint) and return its progress; None (nothing restored) otherwise. Every
+    process calls it, after the model is laid out (sharded or wrapped) for this run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    found = read_progress(path)
+    if found is None:
+        return None
+    folder, progress = found
+    if progress.get("fingerprint") != fingerprint:
+        if distributed.rank() == 0:
+            print(f"{folder}: belongs to other params or data, starting afresh")
+        return None
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    return progress
