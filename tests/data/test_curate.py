@@ -29,7 +29,7 @@ from draftline.data.conversations import (
     normalise,
 )
 from draftline.data.curation import CurateSettings, conversation_id, curate
-from draftline.data.input_files import Rejection, read_rows
+from draftline.data.input_files import BrokenInputFiles, Rejection, read_rows
 from draftline.data.prompt_tokens import ByteLevelTokenCounter, PromptTokenCounter
 from draftline.stages import curate as stage
 
@@ -401,31 +401,80 @@ def test_every_reject_reason_is_recorded_per_row(tmp_path):
     assert {r: e["line"] for r, e in result.examples.items()} == first_line
 
 
-def test_broken_files_are_rejected_rows_not_crashes(tmp_path):
+def test_a_file_that_cannot_be_read_whole_fails_naming_it(tmp_path):
+    """A cut gzip stream (40 rows, cut short), a corrupt Parquet row group, a JSON document
+    that ends early, garbage behind a gzip header and an empty file each fail curate by name,
+    with the rows read before the break and the fix; none is counted as one rejected row."""
     folder = tmp_path / "in"
-    good = [{"prompt": f"good {i}"} for i in range(20)]
-    # A gzip stream cut short: the rows before the cut are kept, the rest is one rejected row.
+    good = [{"prompt": f"good {i}"} for i in range(40)]
     whole = gzip.compress("".join(json.dumps(r) + "\n" for r in good).encode(), mtime=0)
-    (folder).mkdir()
+    folder.mkdir()
     (folder / "cut.jsonl.gz").write_bytes(whole[: len(whole) * 2 // 3])
     (folder / "garbage.parquet").write_bytes(b"PAR1 this is not parquet")
     (folder / "broken.json").write_text('[{"prompt": "a"}, {"prompt": ')
     (folder / "garbage.json.gz").write_bytes(b"\x1f\x8b not really gzip")
-    write_rows(folder / "ok.jsonl", ["", "   ", '{"prompt": "after blank lines"}', "\x00\x01"])
-    result = run([folder], tmp_path / "out")
-    rejected = rejected_rows(tmp_path / "out")
-    by_file = {Path(r["source"]).name: (r["reason"], r["line"]) for r in rejected}
-    assert by_file["garbage.parquet"] == ("unknown_format", 1)
-    assert by_file["broken.json"][0] == "malformed_json"
-    assert by_file["garbage.json.gz"][0] == "unknown_format"
-    assert by_file["ok.jsonl"] == ("malformed_json", 4)  # blank lines are not rows
-    cut = [r for r in rejected if r["source"].endswith("cut.jsonl.gz")]
-    assert len(cut) == 1 and cut[0]["reason"] == "unknown_format"
-    assert "unreadable" in cut[0]["detail"]
-    kept_cut = [r for r in kept_rows(tmp_path / "out") if r["source"].endswith("cut.jsonl.gz")]
-    assert 0 < len(kept_cut) < 20 and cut[0]["line"] > len(kept_cut)
-    assert result.rows_read == result.rows_kept + result.rows_rejected
-    assert result.rows_kept == len(kept_cut) + 1
+    (folder / "empty.jsonl").write_text("\n  \n")
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(good), sink, row_group_size=10)
+    data = bytearray(sink.getvalue().to_pybytes())
+    page = pq.ParquetFile(pa.BufferReader(bytes(data))).metadata.row_group(2).column(0)
+    start = page.data_page_offset  # row group 2 of 4 rots: the first 20 rows read well
+    data[start : start + page.total_compressed_size] = b"\xff" * page.total_compressed_size
+    (folder / "rot.parquet").write_bytes(bytes(data))
+    write_rows(folder / "ok.jsonl", ["", '{"prompt": "after blank lines"}', "\x00\x01"])
+    with pytest.raises(BrokenInputFiles) as err:
+        run([folder], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    lines = str(err.value).splitlines()
+    assert lines[0] == "6 input files cannot be read whole:"
+    by_file = {Path(line.split(":")[0].strip()).name: line for line in lines[1:]}
+    assert set(by_file) == {
+        "broken.json", "cut.jsonl.gz", "empty.jsonl", "garbage.json.gz", "garbage.parquet",
+        "rot.parquet",
+    }  # fmt: skip
+    cut = by_file["cut.jsonl.gz"]
+    rows_before = int(cut.split("cut short or corrupt after ")[1].split()[0])
+    assert 0 < rows_before < 40
+    assert "Compressed file ended before the end-of-stream marker" in cut
+    assert f"`gzip -t {folder / 'cut.jsonl.gz'}` tests it" in cut
+    assert cut.endswith("or take it out of data.sources")
+    rot = by_file["rot.parquet"]
+    assert "cut short or corrupt after 20 rows, 20 of its 40 rows lost: unreadable from" in rot
+    assert (
+        "after 0 rows" in by_file["broken.json"]
+        and "not one JSON document" in by_file["broken.json"]
+    )
+    assert "empty (no rows)" in by_file["empty.jsonl"]
+    # A line that does not parse is still one rejected row: it is one row.
+    ok = run([folder / "ok.jsonl"], tmp_path / "ok")
+    assert (ok.rows_read, ok.rows_rejected) == (2, 1)
+
+
+def test_an_empty_source_fails_with_a_clear_error(tmp_path):
+    (tmp_path / "none").mkdir()
+    with pytest.raises(SystemExit, match=r"data.sources: .*none holds no input files: put"):
+        run([tmp_path / "none"], tmp_path / "out")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit, match=r"holds no input files \(1 other files in it\)"):
+        run([tmp_path / "other"], tmp_path / "out")
+    write_rows(tmp_path / "empty.json", [])
+    with pytest.raises(BrokenInputFiles, match=r"empty.json: empty \(no rows\): put conv"):
+        run([tmp_path / "empty.json"], tmp_path / "out")
+
+
+def test_stage_fails_on_a_cut_file_in_its_lines(tmp_path, tiny_target_dir, capsys):
+    folder = tmp_path / "in"
+    write_rows(folder / "a.jsonl", [{"prompt": f"p {i}"} for i in range(40)], gz=True)
+    data = (folder / "a.jsonl.gz").read_bytes()
+    (folder / "a.jsonl.gz").write_bytes(data[: len(data) // 2])
+    params = write_params(tmp_path, tiny_target_dir, [folder], max_reject_rate=0.9)
+    out, metrics_path = tmp_path / "data" / "curated", tmp_path / "metrics" / "curate.json"
+    assert stage.run(stage_args(params, out, metrics_path)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "curate: FAILED: 1 input file cannot be read whole:"
+    assert err[1].startswith(f"  {folder / 'a.jsonl.gz'}: cut short or corrupt after ")
+    assert len(err) == 2 and not out.exists() and not metrics_path.exists()
 
 
 def test_raw_text_of_rejected_rows_from_every_container(tmp_path):

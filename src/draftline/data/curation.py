@@ -42,7 +42,7 @@ from draftline.data.conversations import (
     messages_to_records,
     normalise,
 )
-from draftline.data.input_files import Rejection, RowBatch, list_input_files, read_batches
+from draftline.data.input_files import Rejection, RowBatch, list_input_files, read_files
 from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.data.scratch import SeenIds, Spill
 from draftline.runtime.atomic import atomic_path, write_parquet
@@ -271,17 +271,16 @@ def _chunks(files: Iterable[Path], chunk_rows: int) -> Iterator[list[RowBatch]]:
     """Rows of all files in order, `chunk_rows` at a time (the last chunk may be shorter)."""
     chunk: list[RowBatch] = []
     size = 0
-    for path in files:
-        for batch in read_batches(path):
-            start = 0
-            while start < len(batch):
-                take = min(len(batch) - start, chunk_rows - size)
-                chunk.append(batch.slice(start, start + take))
-                size += take
-                start += take
-                if size == chunk_rows:
-                    yield chunk
-                    chunk, size = [], 0
+    for batch in read_files(files):
+        start = 0
+        while start < len(batch):
+            take = min(len(batch) - start, chunk_rows - size)
+            chunk.append(batch.slice(start, start + take))
+            size += take
+            start += take
+            if size == chunk_rows:
+                yield chunk
+                chunk, size = [], 0
     if chunk:
         yield chunk
 

@@ -2,8 +2,11 @@
 
 Rows are stored as JSONL, JSON (an array, or an object holding one) or Parquet, each plain or
 gzip. Reading streams (line by line, Parquet record batch by batch), so memory stays flat over
-millions of rows. A file or line that cannot be read becomes a row with a `Rejection`
-(`malformed_json`, `unknown_format`); nothing here raises on bad data.
+millions of rows. A line that does not parse becomes a row with a `Rejection`
+(`malformed_json`). A file that cannot be read whole -- a gzip stream cut short, a corrupt
+Parquet row group, a JSON document that ends early, no rows at all -- raises `InputFileError`
+after the rows read before the break: its lost rows cannot be counted as rows (how many a cut
+file held is not known), so it is never counted as one rejected row either.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import gzip
 import io
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,10 +23,46 @@ import orjson
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 
-# Raw text kept for a rejected whole file (a JSON document that does not parse) is capped.
-MAX_RAW_FILE_CHARS = 65536
 # Rows per batch as a file is read (a run of JSONL lines, a Parquet record batch).
 ROW_BATCH_ROWS = 4096
+
+
+class InputFileError(SystemExit):
+    """An input file that cannot be read whole: where, how many rows came before the break, and
+    how many it holds in all when the file says so (Parquet). A SystemExit, like the other
+    errors in the user's inputs: uncaught, it ends the command with its one line."""
+
+    def __init__(self, source: str, rows_read: int, detail: str, rows_total: int | None = None):
+        self.source, self.rows_read, self.rows_total = source, rows_read, rows_total
+        self.detail = " ".join(detail.split())  # one line, whatever the reader said
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        if self.rows_read == 0 and self.detail == EMPTY:
+            return f"{self.source}: {EMPTY}: put conversations in it or take it out of data.sources"
+        lost = (
+            f", {self.rows_total - self.rows_read} of its {self.rows_total} rows lost"
+            if self.rows_total is not None
+            else ""
+        )
+        check = f" (`gzip -t {self.source}` tests it)" if self.source.endswith(".gz") else ""
+        return (
+            f"{self.source}: cut short or corrupt after {self.rows_read} rows{lost}: "
+            f"{self.detail}; copy it again from where it came from{check}, or take it out of "
+            "data.sources"
+        )
+
+
+class BrokenInputFiles(SystemExit):
+    """Every input file of a run that could not be read whole, one line each."""
+
+    def __init__(self, errors: list[InputFileError]):
+        self.errors = errors
+        head = f"{len(errors)} input file{'s' if len(errors) > 1 else ''} cannot be read whole"
+        super().__init__("\n".join([f"{head}:"] + [f"  {e.message()}" for e in errors]))
+
+
+EMPTY = "empty (no rows)"
 
 
 class Rejection(NamedTuple):
@@ -66,7 +105,15 @@ def list_input_files(sources: list[str]) -> tuple[list[Path], list[Path]]:
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            for child in sorted(p for p in path.rglob("*") if p.is_file()):
+            found = [p for p in sorted(path.rglob("*")) if p.is_file()]
+            if not any(input_format(p) for p in found):
+                others = f" ({len(found)} other files in it)" if found else ""
+                raise SystemExit(
+                    f"data.sources: {source} holds no input files{others}: put the "
+                    "conversations there as .jsonl, .ndjson, .json or .parquet (optionally "
+                    "gzip, .gz), or point data.sources at them"
+                )
+            for child in found:
                 (files if input_format(child) else skipped).append(child)
         elif path.is_file():
             if input_format(path) is None:
@@ -100,18 +147,16 @@ READ_ERRORS = (OSError, EOFError, zlib.error)
 class RowBatch:
     """Consecutive rows of one file, read but not yet parsed.
 
-    Exactly one of `texts` (the JSON text of each row: a JSONL line, or one row of a JSON document
-    serialised again), `arrow` (a Parquet record batch) or `failed` (rows that could not be read
-    at all, each already a rejection) holds the rows. Batches are cheap to slice and to send to
-    another process; `values()` parses them there, and `rows()`/`raw_text()` give the same rows
-    and raw texts wherever that happens.
+    Exactly one of `texts` (the JSON text of each row: a JSONL line, or one row of a JSON
+    document serialised again) or `arrow` (a Parquet record batch) holds the rows. Batches are
+    cheap to slice and to send to another process; `values()` parses them there, and
+    `rows()`/`raw_text()` give the same rows and raw texts wherever that happens.
     """
 
     source: str
     lines: Sequence[int]  # 1-based line (JSONL) or row number (JSON array, Parquet) of each row
     texts: list[bytes] | None = None
     arrow: Any = None
-    failed: list[RawRow] | None = None
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -121,8 +166,7 @@ class RowBatch:
             return self
         texts = self.texts[start:stop] if self.texts is not None else None
         arrow = self.arrow.slice(start, stop - start) if self.arrow is not None else None
-        failed = self.failed[start:stop] if self.failed is not None else None
-        return RowBatch(self.source, self.lines[start:stop], texts, arrow, failed)
+        return RowBatch(self.source, self.lines[start:stop], texts, arrow)
 
     def values(self) -> Iterator[Any]:
         """Each row's parsed value, or the `Rejection` of a row that does not parse."""
@@ -133,21 +177,15 @@ class RowBatch:
                     yield loads(text)
                 except orjson.JSONDecodeError as err:
                     yield Rejection("malformed_json", str(err))
-        elif self.arrow is not None:
-            yield from self.arrow.to_pylist()
         else:
-            for row in self.failed or ():
-                yield row.error
+            yield from self.arrow.to_pylist()
 
     def raw_text(self, index: int) -> str:
         """Row `index` as text, for rejected.parquet: the line as read, else the value as JSON."""
         if self.texts is not None:
             return self.texts[index].decode("utf-8", errors="replace")
-        if self.arrow is not None:
-            value = self.arrow.slice(index, 1).to_pylist()[0]
-            return orjson.dumps(value, default=str).decode()
-        assert self.failed is not None
-        return self.failed[index].raw_text()
+        value = self.arrow.slice(index, 1).to_pylist()[0]
+        return orjson.dumps(value, default=str).decode()
 
     def rows(self) -> Iterator[RawRow]:
         for index, (line, value) in enumerate(zip(self.lines, self.values(), strict=True)):
@@ -159,6 +197,20 @@ class RowBatch:
                 yield RawRow(self.source, line, value=value)
 
 
+def read_files(paths: Iterable[Path], batch_rows: int = ROW_BATCH_ROWS) -> Iterator[RowBatch]:
+    """The rows of every file, in order; then `BrokenInputFiles` naming each file that could
+    not be read whole (cut short, corrupt, empty): a run never goes on without part of its
+    input, and the user learns of every broken file at once."""
+    broken: list[InputFileError] = []
+    for path in paths:
+        try:
+            yield from read_batches(path, batch_rows)
+        except InputFileError as err:
+            broken.append(err)
+    if broken:
+        raise BrokenInputFiles(broken)
+
+
 def read_rows(path: Path) -> Iterator[RawRow]:
     """Every row of one input file, in file order."""
     for batch in read_batches(path):
@@ -168,31 +220,32 @@ def read_rows(path: Path) -> Iterator[RawRow]:
 def read_batches(path: Path, batch_rows: int = ROW_BATCH_ROWS) -> Iterator[RowBatch]:
     """The rows of one input file, in file order, in batches of at most `batch_rows` rows.
 
-    A file that breaks part way (a truncated gzip stream, a corrupt Parquet row group) keeps the
-    rows read before the break, and the rest becomes one rejected row: reading never raises on
-    bad data.
+    A file that breaks part way (a truncated gzip stream, a corrupt Parquet row group) or holds
+    no rows yields the rows read before the break, then raises `InputFileError`.
     """
     fmt = input_format(path)
     source = path.as_posix()
     if fmt == "jsonl":
-        yield from _read_jsonl(path, source, batch_rows)
+        reader = _read_jsonl(path, source, batch_rows)
     elif fmt == "json":
-        yield from _read_json(path, source, batch_rows)
+        reader = _read_json(path, source, batch_rows)
     elif fmt == "parquet":
-        yield from _read_parquet(path, source, batch_rows)
+        reader = _read_parquet(path, source, batch_rows)
     else:
         raise ValueError(f"{path}: not an input file type")
-
-
-def _failed(source: str, line: int, reason: str, detail: str, raw: str = "") -> RowBatch:
-    row = RawRow(source, line, raw=raw, error=Rejection(reason, detail))
-    return RowBatch(source, [line], failed=[row])
+    rows = 0
+    for batch in reader:
+        rows += len(batch)
+        yield batch
+    if rows == 0:
+        raise InputFileError(source, 0, EMPTY)
 
 
 def _read_jsonl(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch]:
     lines: list[int] = []
     texts: list[bytes] = []
     number = 0
+    rows = 0
     try:
         with _open_binary(path) as f:
             for number, line in enumerate(f, start=1):
@@ -201,14 +254,14 @@ def _read_jsonl(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch]:
                     continue  # blank lines are not rows
                 lines.append(number)
                 texts.append(line)
+                rows += 1
                 if len(texts) >= batch_rows:
                     yield RowBatch(source, lines, texts)
                     lines, texts = [], []
     except READ_ERRORS as err:
         if texts:
             yield RowBatch(source, lines, texts)
-        yield _failed(source, number + 1, "unknown_format", f"unreadable after this line: {err}")
-        return
+        raise InputFileError(source, rows, f"unreadable after line {number}: {err}") from None
     if texts:
         yield RowBatch(source, lines, texts)
 
@@ -218,15 +271,11 @@ def _read_json(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch]:
         with _open_binary(path) as f:
             data = f.read()
     except READ_ERRORS as err:
-        yield _failed(source, 1, "unknown_format", f"unreadable: {err}")
-        return
+        raise InputFileError(source, 0, f"unreadable: {err}") from None
     try:
         value = orjson.loads(data)
-    except orjson.JSONDecodeError as err:
-        raw = data[: MAX_RAW_FILE_CHARS * 4].decode("utf-8", errors="replace")[:MAX_RAW_FILE_CHARS]
-        line = getattr(err, "lineno", 1) or 1
-        yield _failed(source, line, "malformed_json", f"file: {err}", raw)
-        return
+    except orjson.JSONDecodeError as err:  # one document: where it breaks, no row is known
+        raise InputFileError(source, 0, f"not one JSON document: {err}") from None
     del data
     rows = _json_rows(value)
     if rows is None:  # one record, or an object that holds no array of rows
@@ -259,18 +308,14 @@ def _read_parquet(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch
             # Parquet needs random access; a gzip stream is read into memory first.
             handle: Any = io.BytesIO(f.read()) if isinstance(f, gzip.GzipFile) else path
         parquet = pq.ParquetFile(handle)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is one rejected row
-        yield _failed(source, 1, "unknown_format", f"unreadable: {err}")
-        return
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a broken file
+        raise InputFileError(source, 0, f"not a Parquet file: {err}") from None
     number = 0
-    batches = parquet.iter_batches(batch_size=batch_rows)
-    while True:
+    total = parquet.metadata.num_rows
+    for group in range(parquet.num_row_groups):  # a rotten row group: rows before it count
         try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except Exception as err:  # noqa: BLE001 - a corrupt row group ends the file, counted
-            yield _failed(source, number + 1, "unknown_format", f"unreadable from here: {err}")
-            return
-        yield RowBatch(source, range(number + 1, number + batch.num_rows + 1), arrow=batch)
-        number += batch.num_rows
+            for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group]):
+                yield RowBatch(source, range(number + 1, number + batch.num_rows + 1), arrow=batch)
+                number += batch.num_rows
+        except Exception as err:  # noqa: BLE001 - a corrupt row group breaks the file
+            raise InputFileError(source, number, f"unreadable from here: {err}", total) from None

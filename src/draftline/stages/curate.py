@@ -2,7 +2,8 @@
 
 Reads `data.*` and the target tokenizer (`model.*`) from params.yaml. Fails (exit 1) when more
 than `data.max_reject_rate` of the rows are rejected, after writing the tables and metrics so
-the rejected rows can be read.
+the rejected rows can be read; and, writing nothing, when an input file cannot be read whole
+(cut short, corrupt, empty) or a source holds no input files.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from draftline.core.target import load_tokenizer
 from draftline.data.curation import CurateSettings, curate
+from draftline.data.input_files import BrokenInputFiles
 from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.runtime import params as params_mod
 from draftline.runtime import run_log
@@ -55,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     counter = PromptTokenCounter(
         load_tokenizer(model), model.get("chat_template_kwargs"), settings.max_prompt_tokens
     )
-    result = curate(sources, args.out, counter, settings, progress=not args.no_progress)
+    try:
+        result = curate(sources, args.out, counter, settings, progress=not args.no_progress)
+    except BrokenInputFiles as err:
+        print(f"curate: FAILED: {err}", file=sys.stderr)
+        return 1
 
     metrics = result.metrics()
     # Cached with the curated tables, so a new node that pulls curate has the shard sizes too.
