@@ -426,7 +426,7 @@ def test_a_file_that_cannot_be_read_whole_fails_naming_it(tmp_path):
         run([folder], tmp_path / "out")
     assert not (tmp_path / "out").exists()
     lines = str(err.value).splitlines()
-    assert lines[0] == "6 input files cannot be read whole:"
+    assert lines[0] == "6 input files are cut short, corrupt or empty:"
     by_file = {Path(line.split(":")[0].strip()).name: line for line in lines[1:]}
     assert set(by_file) == {
         "broken.json", "cut.jsonl.gz", "empty.jsonl", "garbage.json.gz", "garbage.parquet",
@@ -472,7 +472,7 @@ def test_stage_fails_on_a_cut_file_in_its_lines(tmp_path, tiny_target_dir, capsy
     out, metrics_path = tmp_path / "data" / "curated", tmp_path / "metrics" / "curate.json"
     assert stage.run(stage_args(params, out, metrics_path)) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == "curate: FAILED: 1 input file cannot be read whole:"
+    assert err[0] == "curate: FAILED: 1 input file is cut short, corrupt or empty:"
     assert err[1].startswith(f"  {folder / 'a.jsonl.gz'}: cut short or corrupt after ")
     assert len(err) == 2 and not out.exists() and not metrics_path.exists()
 

@@ -58,7 +58,8 @@ class BrokenInputFiles(SystemExit):
 
     def __init__(self, errors: list[InputFileError]):
         self.errors = errors
-        head = f"{len(errors)} input file{'s' if len(errors) > 1 else ''} cannot be read whole"
+        files = f"{len(errors)} input file{'s are' if len(errors) > 1 else ' is'}"
+        head = f"{files} cut short, corrupt or empty"
         super().__init__("\n".join([f"{head}:"] + [f"  {e.message()}" for e in errors]))
 
 
