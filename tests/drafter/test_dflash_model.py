@@ -15,7 +15,13 @@ torch.set_num_threads(1)
 VOCAB, HIDDEN, BLOCK = 50, 32, 4
 
 
-def make_drafter(seed: int = 0, layers: int = 2) -> DFlashDrafter:
+SLIDING = ["sliding_attention", "full_attention"]  # a sliding layer, then a full one
+WINDOW = 6  # inside the 40-token inputs, so the window cuts the context
+
+
+def make_drafter(
+    seed: int = 0, layers: int = 2, layer_types: list[str] | None = None
+) -> DFlashDrafter:
     torch.manual_seed(seed)
     config = DFlashConfig(
         hidden_size=HIDDEN,
@@ -29,6 +35,8 @@ def make_drafter(seed: int = 0, layers: int = 2) -> DFlashDrafter:
         mask_token_id=VOCAB - 1,
         target_layer_ids=[0, 1, 2],
         num_target_layers=4,
+        layer_types=layer_types,
+        sliding_window=WINDOW if layer_types else None,
     )
     head = TargetHead(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))
     return DFlashDrafter(config, head).eval()
@@ -89,13 +97,14 @@ def test_block_sees_only_context_before_its_anchor_and_its_own_block():
         assert not torch.allclose(out[row, j, 1:], base[row, j, 1:], atol=1e-3)
 
 
+@pytest.mark.parametrize("layer_types", [None, SLIDING])
 @pytest.mark.parametrize("queries_per_chunk", [4, 8, 512])
-def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk):
+def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk, layer_types):
     monkeypatch.setattr(dflash, "QUERIES_PER_CHUNK", queries_per_chunk)
     feats, anchor_ids, anchors = inputs()
     results = []
     for implementation in ("blockwise", "dense"):
-        drafter = make_drafter().train()
+        drafter = make_drafter(layer_types=layer_types).train()
         drafter.attention_implementation = implementation
         x = feats.clone().requires_grad_(True)
         hidden = drafter(x, drafter.block_input_ids(anchor_ids), anchors)
@@ -121,8 +130,34 @@ def test_key_value_heads_repeated_for_the_cuda_kernels_give_the_same_attention()
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_draft_block_matches_the_batched_training_pass():
-    drafter = make_drafter()
+def test_a_sliding_layer_sees_context_within_its_window_only():
+    """Block at anchor 30, block size 4, window 6: its query at offset k sees context positions
+    30 + k - 5 .. 29 in the sliding layer; the full layer after it sees all of 0..29."""
+    feats, anchor_ids, anchors = inputs()
+    row, j, a = 0, 3, 30
+    for layers, seen_from in ((["sliding_attention"], a - WINDOW + 1), (SLIDING, 0)):
+        drafter = make_drafter(layers=len(layers), layer_types=layers)
+        with torch.no_grad():
+            base = drafter(feats, drafter.block_input_ids(anchor_ids), anchors)
+            for position, seen in ((seen_from - 1, False), (seen_from, True)):
+                if position < 0:
+                    continue
+                moved = feats.clone()
+                moved[row, position] += 1.0
+                out = drafter(moved, drafter.block_input_ids(anchor_ids), anchors)
+                assert torch.allclose(out[row, j], base[row, j], atol=1e-6) is not seen
+
+
+def test_a_layout_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError, match="layer_types"):
+        make_drafter(layers=3, layer_types=SLIDING)
+    with pytest.raises(ValueError, match="sliding_window"):
+        DFlashConfig(**{**make_drafter().config.__dict__, "layer_types": SLIDING})
+
+
+@pytest.mark.parametrize("layer_types", [None, SLIDING])
+def test_draft_block_matches_the_batched_training_pass(layer_types):
+    drafter = make_drafter(layer_types=layer_types)
     feats, anchor_ids, anchors = inputs()
     with torch.no_grad():
         logits = drafter.logits(drafter(feats, drafter.block_input_ids(anchor_ids), anchors))

@@ -19,7 +19,7 @@ from test_dflash_model import BLOCK, HIDDEN, VOCAB
 from test_dflash_model import make_drafter as make_model_drafter
 from transformers import AutoConfig, Qwen3Model
 
-from draftline.drafter.dflash import DFlashDrafter
+from draftline.drafter.dflash import DFlashConfig, DFlashDrafter
 from draftline.drafter.export import export_drafter, load_drafter
 
 pytestmark = pytest.mark.float_kernels
@@ -124,3 +124,49 @@ def test_loading_a_checkpoint_with_a_missing_weight_fails(tmp_path: Path) -> Non
     save_file(saved, str(folder / "model.safetensors"))
     with pytest.raises(RuntimeError, match="k_norm"):
         load_drafter(folder, drafter.target)
+
+
+def test_sliding_layout_is_exported_and_read_back(tmp_path: Path) -> None:
+    """`layer_types`, `use_sliding_window` and `sliding_window` as SpecForge's Qwen3.6-27B
+    config writes them; transformers' Qwen3 builds the same layers from it."""
+    from test_dflash_model import SLIDING, WINDOW
+
+    drafter = make_model_drafter(0, layers=LAYERS, layer_types=SLIDING)
+    folder = export_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"] == SLIDING and config["sliding_window"] == WINDOW
+    assert config["use_sliding_window"] is True and config["max_window_layers"] == LAYERS
+    assert AutoConfig.from_pretrained(folder).layer_types == SLIDING
+    loaded = load_drafter(folder, drafter.target)
+    assert loaded.config == drafter.config
+    assert torch.equal(drafts(loaded), drafts(drafter))
+    # A full-attention export says so, whatever window a config once carried.
+    full = json.loads(
+        (export_drafter(make_drafter(), tmp_path / "full") / "config.json").read_text()
+    )
+    assert (full["use_sliding_window"], full["sliding_window"]) == (False, None)
+
+
+def test_the_qwen36_profile_exports_the_published_layout() -> None:
+    """conf/ composed for Qwen3.6-27B with dflash_b16 gives the layout of SpecForge's
+    configs/qwen3.6-27b-dflash.json: 4 sliding layers then 1 full, window 2048."""
+    from draftline.drafter.build import Hyperparameters
+    from draftline.runtime.params import compose
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    params = compose(["model=qwen3_6_27b", "drafter=dflash_b16"], conf)
+    hp = Hyperparameters.from_params(params["drafter"])
+    config = DFlashConfig.from_target(
+        params["model"]["config"],
+        num_hidden_layers=hp.num_hidden_layers,
+        block_size=hp.block_size,
+        mask_token_id=params["model"]["mask_token_id"],
+        target_layer_ids=params["model"]["target_layer_ids"],
+        **hp.shape(),
+    ).to_json_dict()
+    assert config["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert (config["sliding_window"], config["use_sliding_window"]) == (2048, True)
+    assert (config["num_hidden_layers"], config["max_window_layers"]) == (5, 5)
+    # Targets whose profile names no layout keep full attention everywhere.
+    qwen3 = compose(["model=qwen3_8b", "drafter=dflash_b16"], conf)["drafter"]
+    assert qwen3["layer_types"] is None and qwen3["sliding_window"] is None

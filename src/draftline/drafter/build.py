@@ -37,23 +37,39 @@ class Hyperparameters:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
+    # Attention per layer ("full_attention" / "sliding_attention"; None: all full) and the
+    # sliding layers' window: the layout of the target's public drafters (model.dflash).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
-        names = [n for n in cls.__dataclass_fields__ if n not in SHAPE_FIELDS]
+        optional = (*SHAPE_FIELDS, *LAYOUT_FIELDS)
+        names = [n for n in cls.__dataclass_fields__ if n not in optional]
         missing = [n for n in names if n not in drafter]
         if missing:
             raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
         values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
         shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
-        return cls(**values, **shape)
+        layer_types = drafter.get("layer_types")
+        window = drafter.get("sliding_window")
+        return cls(
+            **values,
+            **shape,
+            layer_types=None if layer_types is None else tuple(str(t) for t in layer_types),
+            sliding_window=None if window is None else int(window),
+        )
 
-    def shape(self) -> dict[str, int]:
-        """The shape fields that are set (the rest derive from the target)."""
-        return {n: getattr(self, n) for n in SHAPE_FIELDS if getattr(self, n) is not None}
+    def shape(self) -> dict[str, Any]:
+        """The shape and layout fields that are set (the rest derive from the target)."""
+        set_fields = {n: getattr(self, n) for n in (*SHAPE_FIELDS, *LAYOUT_FIELDS)}
+        if self.layer_types is not None:
+            set_fields["layer_types"] = list(self.layer_types)
+        return {n: v for n, v in set_fields.items() if v is not None}
 
 
 SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+LAYOUT_FIELDS = ("layer_types", "sliding_window")
 _DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
 
 

@@ -5,7 +5,8 @@ and no lm_head of its own: it uses the target's, frozen (`TargetHead`). Its cont
 hidden states of K target layers, concatenated per token, fused by `fc` (K*H -> H) and
 `hidden_norm`, and fed to every layer as extra keys and values only. Queries come from the
 block: `[anchor token, MASK x (B-1)]` at positions a..a+B-1. Each block attends bidirectionally
-to its own B tokens and to context positions strictly before its anchor, never to other blocks.
+to its own B tokens and to context positions strictly before its anchor, never to other blocks;
+a `sliding_attention` layer only to keys within `sliding_window` - 1 positions of the query.
 
 Training runs many blocks per sequence in one pass (`DFlashDrafter.forward` takes N anchors);
 inference is the same call with one block whose anchor is the context length.
@@ -26,6 +27,14 @@ from torch._subclasses.fake_tensor import is_fake
 # Queries per attention chunk in the block-wise attention: bounds the score matrix while
 # keeping the SDPA calls large enough to be efficient.
 QUERIES_PER_CHUNK = 512
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYERS = {FULL, SLIDING}
+# DFlashConfig fields that config.json holds under the same name.
+JSON_FIELDS = (
+    "num_target_layers", "num_hidden_layers", "hidden_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "attention_bias", "rms_norm_eps",
+    "rope_theta", "max_position_embeddings", "vocab_size",
+)  # fmt: skip
 
 
 @dataclass
@@ -47,7 +56,21 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     attention_bias: bool = False
+    # Per layer "full_attention" (None: all) or "sliding_attention" over `sliding_window` keys.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kinds = self.layer_types = list(self.layer_types or [FULL] * self.num_hidden_layers)
+        if len(kinds) != self.num_hidden_layers or set(kinds) - LAYERS:
+            raise ValueError(f"layer_types {kinds}: {self.num_hidden_layers} of {sorted(LAYERS)}")
+        if SLIDING in kinds and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     @classmethod
     def from_target(
@@ -62,11 +85,14 @@ class DFlashConfig:
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
         intermediate_size: int | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
     ) -> DFlashConfig:
         """Drafter config from the target's (text) `config.json` dict and the drafter's choices.
 
         The attention and MLP shape default to the target's; a target whose public drafters use
-        another shape (Qwen3.6-27B: 32/8/128, not its gated attention's 24/4/256) names it.
+        another shape (Qwen3.6-27B: 32/8/128, not its gated attention's 24/4/256) or another
+        layout (4 sliding + 1 full attention layers) names it (model.dflash).
         """
         hidden = int(target_config["hidden_size"])
         heads = int(num_attention_heads or target_config["num_attention_heads"])
@@ -101,10 +127,13 @@ class DFlashConfig:
             rope_theta=_rope_theta(target_config),
             max_position_embeddings=int(target_config.get("max_position_embeddings", 40960)),
             attention_bias=bool(target_config.get("attention_bias", False)),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
         """`config.json` in the DFlash format that SGLang, vLLM and the reference load."""
+        sliding = SLIDING in (self.layer_types or [])
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -113,26 +142,15 @@ class DFlashConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
             },
-            "num_target_layers": self.num_target_layers,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
+            **{name: getattr(self, name) for name in JSON_FIELDS},
             "hidden_act": "silu",
-            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
             "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types or []),
             "max_window_layers": self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
             "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
             "dtype": "bfloat16",
             **self.extra,
         }
@@ -143,9 +161,12 @@ class DFlashConfig:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         flat = {k: v for k, v in data.items() if k in known}
         flat["mask_token_id"] = int(dflash.get("mask_token_id", data.get("mask_token_id")))
-        layer_ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
-        flat["target_layer_ids"] = list(layer_ids)
+        flat["target_layer_ids"] = list(
+            dflash.get("target_layer_ids", data.get("target_layer_ids"))
+        )
         flat["rope_theta"] = _rope_theta(data)
+        if not data.get("use_sliding_window", True):  # transformers' Qwen3: no window at all
+            flat["layer_types"], flat["sliding_window"] = None, None
         return cls(**flat)
 
 
@@ -157,11 +178,8 @@ def _rope_theta(config: dict[str, Any]) -> float:
 
 @dataclass
 class TargetHead:
-    """The target's frozen token embedding and lm_head, used by the drafter, never owned by it.
-
-    Plain tensors, not parameters: they are not trained, not in the drafter's state dict or
-    checkpoint, and not synchronised by DDP.
-    """
+    """The target's frozen token embedding and lm_head, used by the drafter, never owned by it:
+    plain tensors, not parameters (not trained, not in the state dict, not synchronised)."""
 
     embed_weight: torch.Tensor  # [vocab, H]
     lm_head_weight: torch.Tensor  # [vocab, H]
@@ -189,10 +207,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 def rope_cos_sin(
@@ -215,17 +232,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def context_span(chunk_anchors: torch.Tensor, context_len: int) -> int:
-    """How many context keys a chunk of blocks needs: up to its largest anchor.
-
-    Fake tensors (memory planning, `draftline.drafter.memory`) carry no values: the chunk then
-    takes the whole context, the worst case, so a planned peak is never below the real one.
-    """
+def context_span(
+    chunk_anchors: torch.Tensor, context_len: int, sliding_window: int | None = None
+) -> tuple[int, int]:
+    """The context keys [start, end) a chunk of blocks needs: up to its largest anchor, from
+    the first its earliest query sees (0 for full attention). Fake tensors (memory planning,
+    `draftline.drafter.memory`) carry no values: the chunk then takes the whole context, the
+    worst case, so a planned peak is never below the real one."""
     if not chunk_anchors.numel():
-        return 0
+        return 0, 0
     if is_fake(chunk_anchors):
-        return context_len
-    return int(chunk_anchors.max().item())
+        return 0, context_len
+    end = int(chunk_anchors.max().item())
+    if sliding_window is None:
+        return 0, end
+    return max(0, min(end, int(chunk_anchors.min().item()) - sliding_window + 1)), end
+
+
+def block_mask(
+    anchors: torch.Tensor, context: torch.Tensor, block_size: int, sliding_window: int | None
+) -> torch.Tensor:
+    """[b, 1, g*S, C + g*S]: which keys each query of the blocks at `anchors` [b, g] sees.
+
+    Keys: the context positions `context` [C], then each block's S keys. Full attention: the
+    context strictly before the anchor (`<`, never `<=`: the anchor's own state is not there at
+    inference) and the whole own block, nothing of other blocks. Sliding (z-lab/dflash: flash
+    attention's non-causal window (W-1, W-1)): of those, keys within W-1 of the query position.
+    """
+    b, g = anchors.shape
+    offset = torch.arange(block_size, device=anchors.device)
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)[..., None]  # [b, g*S, 1]
+    sees_context = context < query_anchor
+    block_of = torch.arange(g * block_size, device=anchors.device) // block_size
+    sees_block = block_of[:, None] == block_of[None, :]
+    if sliding_window is not None:
+        query_position = query_anchor + offset.repeat(g)[:, None]
+        sees_context = sees_context & (context > query_position - sliding_window)
+        near = (offset[:, None] - offset[None, :]).abs() < sliding_window
+        sees_block = sees_block & near.repeat(g, g)
+    return torch.cat([sees_context, sees_block.expand(b, -1, -1)], dim=-1)[:, None]
 
 
 def block_prefix_attention(
@@ -236,45 +281,43 @@ def block_prefix_attention(
     v_ctx: torch.Tensor,
     anchors: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
     queries_per_chunk: int | None = None,
     expand_kv_heads: bool | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """Each block attends to context keys before its anchor and to its own block's keys.
 
     q: [b, N, S, h, d]; k_block, v_block: [b, N, S, kvh, d]; k_ctx, v_ctx: [b, T, kvh, d];
-    anchors: [b, N], sorted per row. Returns [b, N, S, h, d].
-
-    Blocks go in chunks; a chunk's keys are the context up to its largest anchor plus the
-    chunk's own block keys, so the cost grows with anchors x context, not (anchors x S)^2.
+    anchors: [b, N], sorted per row; sliding_window: None (full attention) or W (`block_mask`).
+    Returns [b, N, S, h, d]. Blocks go in chunks; a chunk's keys are the context its queries
+    can see (`context_span`) plus its own blocks' keys, so the cost grows with anchors x
+    context, not (anchors x S)^2. dense: one SDPA over [whole context ; all blocks] with a dense
+    mask, the SpecForge-style formulation, the reference of tests and benchmarks.
 
     expand_kv_heads (default: on CUDA): repeat each key/value head for its query heads. On
     CUDA, SDPA's flash kernel takes no mask and its memory-efficient kernel no grouped-query
-    heads, so masked grouped-query attention would fall back to the math kernel, which keeps
-    every chunk's fp32 probabilities for the backward (x2 of a production step's memory).
+    heads: masked grouped-query attention would fall back to the math kernel, which keeps every
+    chunk's fp32 probabilities for the backward (x2 of a production step's memory).
     """
     b, n, s, h, d = q.shape
-    kvh = k_block.shape[3]
+    kvh, t = k_block.shape[3], k_ctx.shape[1]
     if expand_kv_heads is None:
         expand_kv_heads = q.device.type == "cuda"
     repeats = h // kvh if expand_kv_heads and h != kvh else 1
-    blocks_per_chunk = max(1, (queries_per_chunk or QUERIES_PER_CHUNK) // s)
-    positions = torch.arange(k_ctx.shape[1], device=q.device)
+    blocks_per_chunk = n if dense else max(1, (queries_per_chunk or QUERIES_PER_CHUNK) // s)
     outputs = []
     for start in range(0, n, blocks_per_chunk):
         end = min(n, start + blocks_per_chunk)
         g = end - start
         chunk_anchors = anchors[:, start:end]
-        span = context_span(chunk_anchors, k_ctx.shape[1])
+        first, last = (0, t) if dense else context_span(chunk_anchors, t, sliding_window)
         queries = q[:, start:end].reshape(b, g * s, h, d).transpose(1, 2)
-        keys = torch.cat([k_ctx[:, :span], k_block[:, start:end].reshape(b, g * s, kvh, d)], 1)
-        values = torch.cat([v_ctx[:, :span], v_block[:, start:end].reshape(b, g * s, kvh, d)], 1)
-        # Context strictly before the anchor (`<`, never `<=`: the anchor's own state is not
-        # available at inference), and the whole own block, nothing of the other blocks.
-        sees_context = positions[:span] < chunk_anchors[..., None]  # [b, g, span]
-        sees_context = sees_context.repeat_interleave(s, dim=1)  # [b, g*s, span]
-        block_of = torch.arange(g * s, device=q.device) // s
-        sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
-        mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
+        own = (b, g * s, kvh, d)
+        keys = torch.cat([k_ctx[:, first:last], k_block[:, start:end].reshape(own)], 1)
+        values = torch.cat([v_ctx[:, first:last], v_block[:, start:end].reshape(own)], 1)
+        positions = torch.arange(first, last, device=q.device)
+        mask = block_mask(chunk_anchors, positions, s, sliding_window)
         if repeats > 1:
             keys = keys.repeat_interleave(repeats, dim=2)
             values = values.repeat_interleave(repeats, dim=2)
@@ -290,38 +333,10 @@ def block_prefix_attention(
     return torch.cat(outputs, dim=1)
 
 
-def dense_block_attention(
-    q: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    anchors: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The same attention as one SDPA over [context ; all blocks] with a dense mask.
-
-    The formulation of SpecForge-style training; kept as the reference that tests and
-    `benchmarks/train_attention.py` compare `block_prefix_attention` with.
-    """
-    b, n, s, h, d = q.shape
-    kvh = k_block.shape[3]
-    t = k_ctx.shape[1]
-    queries = q.reshape(b, n * s, h, d).transpose(1, 2)
-    keys = torch.cat([k_ctx, k_block.reshape(b, n * s, kvh, d)], 1).transpose(1, 2)
-    values = torch.cat([v_ctx, v_block.reshape(b, n * s, kvh, d)], 1).transpose(1, 2)
-    query_anchor = anchors.repeat_interleave(s, dim=1)  # [b, n*s]
-    sees_context = torch.arange(t, device=q.device)[None, None, :] < query_anchor[..., None]
-    block_of = torch.arange(n * s, device=q.device) // s
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
-    mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=h != kvh
-    )
-    return out.transpose(1, 2).reshape(b, n, s, h, d)
-
-
-ATTENTION_IMPLEMENTATIONS = {"blockwise": block_prefix_attention, "dense": dense_block_attention}
+ATTENTION_IMPLEMENTATIONS = {
+    "blockwise": block_prefix_attention,
+    "dense": partial(block_prefix_attention, dense=True),
+}
 
 
 @dataclass(frozen=True)
@@ -338,8 +353,9 @@ class BlockInputs:
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose keys/values are [fused context ; block] and queries the block."""
 
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, layer: int) -> None:
         super().__init__()
+        self.sliding_window = config.layer_window(layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -354,8 +370,7 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, blocks: BlockInputs) -> torch.Tensor:
         """x: [b, N, S, H] block states; keys/values also from `blocks.context`."""
-        b, n, s, _ = x.shape
-        context = blocks.context
+        (b, n, s, _), context = x.shape, blocks.context
         t = context.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, n, s, self.num_heads, self.head_dim))
         k_block = self.k_norm(self.k_proj(x).view(b, n, s, self.num_kv_heads, self.head_dim))
@@ -365,7 +380,9 @@ class DFlashAttention(nn.Module):
         q = apply_rope(q, *blocks.rope_block)
         k_block = apply_rope(k_block, *blocks.rope_block)
         k_ctx = apply_rope(k_ctx, *blocks.rope_context)
-        out = blocks.attend(q, k_block, v_block, k_ctx, v_ctx, blocks.anchors, self.scaling)
+        out = blocks.attend(
+            q, k_block, v_block, k_ctx, v_ctx, blocks.anchors, self.scaling, self.sliding_window
+        )
         return self.o_proj(out.reshape(b, n, s, self.num_heads * self.head_dim))
 
 
@@ -386,9 +403,9 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm Qwen3 decoder layer; the fused context enters attention as keys/values."""
 
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, layer)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -406,13 +423,12 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, config: DFlashConfig, target: TargetHead) -> None:
         super().__init__()
-        self.config = config
-        self.target = target
+        self.config, self.target = config, target
         k = len(config.target_layer_ids)
         self.fc = nn.Linear(k * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # "blockwise" (default) or "dense": the same math, used to check and benchmark.
@@ -440,10 +456,7 @@ class DFlashDrafter(nn.Module):
         return ids
 
     def forward(
-        self,
-        context_features: torch.Tensor,
-        block_ids: torch.Tensor,
-        anchors: torch.Tensor,
+        self, context_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor
     ) -> torch.Tensor:
         """Final hidden states of every block.
 
@@ -463,16 +476,12 @@ class DFlashDrafter(nn.Module):
         rope = partial(rope_cos_sin, head_dim=c.head_dim, theta=c.rope_theta, dtype=context.dtype)
         rope_block = rope(anchors[..., None] + torch.arange(s, device=anchors.device))
         cos, sin = rope(torch.arange(t, device=context.device))
-        blocks = BlockInputs(context, rope_block, (cos[None], sin[None]), anchors, self._attend())
+        attend = ATTENTION_IMPLEMENTATIONS[self.attention_implementation]
+        attend = partial(attend, expand_kv_heads=self.expand_kv_heads)
+        blocks = BlockInputs(context, rope_block, (cos[None], sin[None]), anchors, attend)
         for layer in self.layers:
             x = layer(x, blocks)
         return self.norm(x)
-
-    def _attend(self) -> Callable[..., torch.Tensor]:
-        attend = ATTENTION_IMPLEMENTATIONS[self.attention_implementation]
-        if attend is block_prefix_attention:
-            return partial(attend, expand_kv_heads=self.expand_kv_heads)
-        return attend
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen lm_head over drafter hidden states."""
@@ -480,10 +489,8 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft_block(self, context_features: torch.Tensor, anchor_id: int) -> torch.Tensor:
-        """Greedy draft of one block after a context of T positions: [S-1] token ids.
-
-        The anchor token sits at position T (the first token the target has not yet encoded).
-        """
+        """Greedy draft [S-1] of one block after a context of T positions; the anchor token
+        sits at position T (the first token the target has not yet encoded)."""
         t = context_features.shape[-2]
         feats = context_features.reshape(1, t, -1)
         anchor = torch.tensor([[anchor_id]], device=feats.device)

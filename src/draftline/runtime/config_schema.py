@@ -49,6 +49,8 @@ SCHEMA: Schema = {
             "num_key_value_heads": None,
             "head_dim": None,
             "intermediate_size": None,
+            "layer_types": None,
+            "sliding_window": None,
         },
         "serving": {
             "quantization": None,
@@ -80,6 +82,8 @@ SCHEMA: Schema = {
         "num_key_value_heads": None,
         "head_dim": None,
         "intermediate_size": None,
+        "layer_types": None,
+        "sliding_window": None,
         "block_size": None,
         "gamma": None,
         "max_anchors": None,
