@@ -1,22 +1,27 @@
-"""Benchmark: the drafter's block-wise training attention against a dense-mask formulation.
+"""Benchmark: the drafter's training step against the dense step, the same math.
 
 One training step (drafter forward, weighted block loss, backward) on one sequence of
 --seq tokens with --anchors blocks of --block tokens, CPU, 2 threads, run twice in the same
-invocation: with `block_prefix_attention` (each chunk of blocks sees the context up to its
-largest anchor plus its own blocks) and with `dense_block_attention` (one SDPA over
-[context ; all blocks] with a dense [N*B, T + N*B] mask, the SpecForge-style formulation).
-Both are the same math: the outputs and gradients are compared in this process; speed is
-measured here too, the formulations alternating round after round so that the machine's load
-hits both alike; peak memory is measured in one fresh subprocess per formulation so neither
-inherits the other's allocations.
+invocation:
+
+- blockwise, draftline's step: `block_prefix_attention` (each chunk of blocks sees the context
+  up to its largest anchor plus its own blocks) and `block_loss`, the lm_head fused with the
+  weighted CE chunk by chunk (`draftline.drafter.linear_cross_entropy`, torch path);
+- dense, the SpecForge-style step: `dense_block_attention` (one SDPA over [context ; all blocks]
+  with a dense [N*B, T + N*B] mask) and the plain loss (the full [N*B, vocab] logits, then
+  F.cross_entropy).
+
+The outputs, loss and gradients are compared in this process; speed is measured here too, the
+formulations alternating round after round so that the machine's load hits both alike; peak
+memory is measured in one fresh subprocess per formulation so neither inherits the other's
+allocations.
 
     python benchmarks/train_attention.py [--seq 2048] [--anchors 256] [--block 16] [--json out]
 
-Reports, for the whole training step and for one layer's attention alone (forward and
-backward on random queries, keys and values of the same shapes): sequence tokens per second,
-peak RSS above the resident size before a run (after a warm-up run), and the ratios
-blockwise / dense. The step's peak is mostly activations and the loss, which both
-formulations share; the attention alone shows what the formulation itself costs.
+Reports, for the whole training step, for one layer's attention alone (forward and backward on
+random queries, keys and values of the same shapes) and for the loss alone (forward and
+backward from random hidden states): sequence tokens per second, peak RSS above the resident
+size before a run (after a warm-up run), and the ratios blockwise / dense.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from peak_memory import peak_bytes, reset_peak, rss_bytes
 
 from draftline.drafter.dflash import (
@@ -41,7 +47,7 @@ from draftline.drafter.dflash import (
     DFlashDrafter,
     TargetHead,
 )
-from draftline.drafter.objective import block_loss, position_weights
+from draftline.drafter.objective import LossParts, block_loss, position_weights
 
 IMPLEMENTATIONS = ("blockwise", "dense")
 
@@ -100,14 +106,37 @@ def make_case(args: argparse.Namespace) -> tuple[DFlashDrafter, dict[str, torch.
     return drafter, case
 
 
-def train_step(drafter: DFlashDrafter, case: dict[str, torch.Tensor], impl: str) -> torch.Tensor:
-    """Forward, loss, backward; returns the drafter's final hidden states (detached)."""
+def plain_loss(
+    hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> LossParts:
+    """The loss the plain way: the full logits [b, N, B, vocab], then the weighted CE."""
+    logits = F.linear(hidden, head.to(hidden.dtype))
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+    supervised = (weights > 0).float()
+    hits = (logits.detach().argmax(-1) == labels).float() * supervised
+    block = labels.shape[-1]
+    return LossParts(
+        (ce * weights.flatten()).sum(),
+        hits.view(-1, block).sum(0),
+        supervised.view(-1, block).sum(0),
+    )
+
+
+LOSSES = {"blockwise": block_loss, "dense": plain_loss}
+
+
+def train_step(
+    drafter: DFlashDrafter, case: dict[str, torch.Tensor], impl: str
+) -> tuple[torch.Tensor, float]:
+    """Forward, loss, backward; returns the drafter's final hidden states (detached) and the
+    loss."""
     drafter.attention_implementation = impl
     drafter.zero_grad(set_to_none=True)
     hidden = drafter(case["features"], case["block_ids"], case["anchors"])
-    parts = block_loss(hidden, drafter.target.lm_head_weight, case["labels"], case["weights"])
-    (parts.weighted_ce / case["weights"].sum()).backward()
-    return hidden.detach()
+    parts = LOSSES[impl](hidden, drafter.target.lm_head_weight, case["labels"], case["weights"])
+    loss = parts.weighted_ce / case["weights"].sum()
+    loss.backward()
+    return hidden.detach(), float(loss)
 
 
 def attention_inputs(
@@ -129,6 +158,21 @@ def attention_step(
     attend(*inputs, anchors, scale).square().sum().backward()
 
 
+def loss_inputs(drafter: DFlashDrafter, case: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Random drafter outputs [b, N, B, H] at the case's shapes, for the loss alone."""
+    b, n, s = case["block_ids"].shape
+    return torch.randn(b, n, s, drafter.config.hidden_size, requires_grad=True)
+
+
+def loss_step(
+    loss: Any, drafter: DFlashDrafter, hidden: torch.Tensor, case: dict[str, torch.Tensor]
+) -> None:
+    """The loss alone, forward and backward."""
+    hidden.grad = None
+    parts = loss(hidden, drafter.target.lm_head_weight, case["labels"], case["weights"])
+    parts.weighted_ce.backward()
+
+
 def peak_after_warm_up(work: Any) -> int:
     """Peak memory of one run of `work` after a warm-up, above the resident size before it.
 
@@ -147,11 +191,15 @@ def worker(args: argparse.Namespace) -> dict[str, int]:
     drafter, case = make_case(args)
     attend = ATTENTION_IMPLEMENTATIONS[args.worker]
     inputs = attention_inputs(drafter, case)
+    hidden = loss_inputs(drafter, case)
     scale = drafter.config.head_dim**-0.5
     return {
         "peak_step_bytes": peak_after_warm_up(lambda: train_step(drafter, case, args.worker)),
         "peak_attention_bytes": peak_after_warm_up(
             lambda: attention_step(attend, inputs, case["anchors"], scale)
+        ),
+        "peak_loss_bytes": peak_after_warm_up(
+            lambda: loss_step(LOSSES[args.worker], drafter, hidden, case)
         ),
     }
 
@@ -165,9 +213,10 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     torch.set_num_threads(args.threads)
     drafter, case = make_case(args)
     inputs = attention_inputs(drafter, case)
+    hidden = loss_inputs(drafter, case)
     scale = drafter.config.head_dim**-0.5
     times: dict[str, dict[str, list[float]]] = {
-        impl: {"step_s": [], "attention_s": []} for impl in IMPLEMENTATIONS
+        impl: {"step_s": [], "attention_s": [], "loss_s": []} for impl in IMPLEMENTATIONS
     }
     for round_ in range(args.steps + 1):
         for impl in IMPLEMENTATIONS:
@@ -175,6 +224,7 @@ def timings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             work = {
                 "step_s": partial(train_step, drafter, case, impl),
                 "attention_s": partial(attention_step, attend, inputs, case["anchors"], scale),
+                "loss_s": partial(loss_step, LOSSES[impl], drafter, hidden, case),
             }
             for name, run in work.items():
                 began = time.perf_counter()
@@ -192,15 +242,17 @@ def compare_outputs(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(args.threads)
     drafter, case = make_case(args)
     out = {}
+    losses = {}
     grads = {}
     for impl in IMPLEMENTATIONS:
-        out[impl] = train_step(drafter, case, impl)
+        out[impl], losses[impl] = train_step(drafter, case, impl)
         grads[impl] = {n: p.grad.clone() for n, p in drafter.named_parameters()}
     block, dense = grads["blockwise"], grads["dense"]
     grad_rel = max(float((block[n] - dense[n]).abs().max() / dense[n].abs().max()) for n in dense)
     return {
         "hidden_max_abs_diff": float((out["blockwise"] - out["dense"]).abs().max()),
         "hidden_max_abs": float(out["dense"].abs().max()),
+        "loss_rel_diff": abs(losses["blockwise"] - losses["dense"]) / abs(losses["dense"]),
         "grad_max_rel_diff": grad_rel,
     }
 
@@ -235,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             **seconds,
             "tokens_per_s": tokens / seconds["step_s"],
             "attention_tokens_per_s": tokens / seconds["attention_s"],
+            "loss_tokens_per_s": tokens / seconds["loss_s"],
             **run_worker(forwarded, impl),
         }
     block, dense = runs["blockwise"], runs["dense"]
@@ -242,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "case": {k: getattr(args, k) for k in ("seq", "anchors", "block", "batch", "hidden")},
         "equality": equal,
         "outputs_equal": equal["hidden_max_abs_diff"] <= 1e-4 * max(1.0, equal["hidden_max_abs"])
+        and equal["loss_rel_diff"] <= 1e-5
         and equal["grad_max_rel_diff"] <= 1e-3,
         "runs": runs,
         "tokens_per_s_ratio": block["tokens_per_s"] / dense["tokens_per_s"],
@@ -250,23 +304,29 @@ def main(argv: list[str] | None = None) -> int:
         / dense["attention_tokens_per_s"],
         "attention_peak_memory_ratio": block["peak_attention_bytes"]
         / dense["peak_attention_bytes"],
+        "loss_tokens_per_s_ratio": block["loss_tokens_per_s"] / dense["loss_tokens_per_s"],
+        "loss_peak_memory_ratio": block["peak_loss_bytes"] / dense["peak_loss_bytes"],
     }
     print(f"case: {report['case']}")
     for impl, r in runs.items():
         print(
             f"  {impl:9s} step {r['step_s']:7.3f} s  {r['tokens_per_s']:9.0f} tok/s  "
             f"peak +{r['peak_step_bytes'] / 2**20:8.1f} MiB | attention alone "
-            f"{r['attention_s']:7.3f} s  peak +{r['peak_attention_bytes'] / 2**20:8.1f} MiB"
+            f"{r['attention_s']:7.3f} s  peak +{r['peak_attention_bytes'] / 2**20:8.1f} MiB | "
+            f"loss alone {r['loss_s']:7.3f} s  peak +{r['peak_loss_bytes'] / 2**20:8.1f} MiB"
         )
     print(
         f"blockwise/dense: training step tokens/s x{report['tokens_per_s_ratio']:.2f}, "
         f"peak memory x{report['peak_memory_ratio']:.3f}; attention alone tokens/s "
         f"x{report['attention_tokens_per_s_ratio']:.2f}, peak memory "
-        f"x{report['attention_peak_memory_ratio']:.3f}"
+        f"x{report['attention_peak_memory_ratio']:.3f}; loss alone tokens/s "
+        f"x{report['loss_tokens_per_s_ratio']:.2f}, peak memory "
+        f"x{report['loss_peak_memory_ratio']:.3f}"
     )
     print(
         f"outputs equal: {report['outputs_equal']} (hidden max |diff| "
-        f"{equal['hidden_max_abs_diff']:.2e}, grads max rel diff {equal['grad_max_rel_diff']:.2e})"
+        f"{equal['hidden_max_abs_diff']:.2e}, loss rel diff {equal['loss_rel_diff']:.2e}, "
+        f"grads max rel diff {equal['grad_max_rel_diff']:.2e})"
     )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
