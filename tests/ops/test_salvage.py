@@ -477,8 +477,10 @@ def test_three_cases_safe_would_be_lost_and_never_here(
     assert f"WOULD BE LOST 1 stages/files not intact in {where}: prepare (" in before.stdout
     assert any(
         line.startswith(f"WOULD BE LOST missing in {where}: data/prepared (prepare,")
+        and line.endswith("only on this node (in its DVC cache)")
         for line in lines
     )
+    assert "          fix: run `draftline salvage`: it pushes it" in lines
     assert (
         f"NEVER HERE 1 stages/files named by dvc.lock never ran on this node; their outputs "
         f"are in {where}: shard@0" in lines

@@ -46,6 +46,7 @@ class Verification:
     missing: list[Expected] = field(default_factory=list)
     never_here: list[Expected] = field(default_factory=list)
     nowhere: list[Expected] = field(default_factory=list)
+    cached: set[str] = field(default_factory=set)  # oids of `missing` the local cache holds
     corrupted: list[tuple[Expected, str]] = field(default_factory=list)
     runs_checked: int = 0
     runs_missing: list[str] = field(default_factory=list)
@@ -215,6 +216,8 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
             ).exists()
             if info is None:
                 (result.missing if here else result.nowhere).append(obj)
+                if _intact(Path(repo.cache.local.oid_to_path(obj.oid)), obj.oid):
+                    result.cached.add(obj.oid)
                 continue
             if not here:
                 result.never_here.append(obj)
@@ -231,6 +234,17 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
     return result
 
 
+def _intact(local: Path, oid: str) -> bool:
+    """Whether the local cache holds `oid` with its content (hashed: a cache file can rot)."""
+    if not local.is_file():
+        return False
+    digest = hashlib.md5()
+    with local.open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest() == oid.removesuffix(".dir")
+
+
 def repair_remote(root: Path, remote_name: str, missing: Iterable[Expected]) -> list[Expected]:
     """Upload the missing objects the local cache holds intact; the ones uploaded.
 
@@ -242,11 +256,10 @@ def repair_remote(root: Path, remote_name: str, missing: Iterable[Expected]) -> 
     uploaded = []
     with Repo(str(root)) as repo:
         rem = repo.cloud.get_remote(remote_name)
-        local_fs = repo.cache.local.fs
         for obj in missing:
             local = Path(repo.cache.local.oid_to_path(obj.oid))
             # Never replace a lost object with a corrupted one: the copy must hash to its oid.
-            if not local.exists() or _md5_of(local_fs, str(local)) != obj.oid.removesuffix(".dir"):
+            if not _intact(local, obj.oid):
                 continue
             rem.fs.put_file(str(local), rem.odb.oid_to_path(obj.oid))
             uploaded.append(obj)
@@ -360,13 +373,20 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
         )
     findings += _never_here_findings(v, where, set(owners_bad))
     for obj in v.missing[:20]:
+        if obj.oid in v.cached:
+            where_here, fix = "in its DVC cache", "run `draftline salvage`: it pushes it"
+        else:
+            where_here = "in its workspace, not intact in its cache"
+            fix = (
+                f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
+                "remote, then run `draftline salvage` again"
+            )
         findings.append(
             Finding(
                 False,
                 f"missing in {where}: {obj.path} ({obj.owner}, object {obj.oid}), only on this "
-                "node, and not intact in its cache either",
-                f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
-                "remote, then run `draftline salvage` again",
+                f"node ({where_here})",
+                fix,
                 label="WOULD BE LOST",
             )
         )
