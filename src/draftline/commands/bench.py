@@ -1,19 +1,24 @@
-"""Measure the trained drafter against a live SGLang server, before deploying it.
+"""Measure the trained drafter against a live SGLang or vLLM server, before deploying it.
 
   draftline serve start --drafter models/drafter --port 30001
   draftline serve start --no-speculation --port 30002
   draftline bench --url http://127.0.0.1:30001 --baseline-url http://127.0.0.1:30002
+  draftline serve start --hardware vllm_cpu --drafter models/drafter     # vLLM, port 31000
+  draftline bench --engine vllm --url http://127.0.0.1:31000
 
 Sends the held-out prompts (`data/generated/eval.parquet`, `evaluate.max_prompts` of them, as
 token ids) at the serving temperature (`evaluate.temperature`, top_p, top_k) to both servers and
-records SGLang's acceptance length, output tokens/s and the speed-up over the baseline in
+records the server's acceptance length, output tokens/s and the speed-up over the baseline in
 `metrics/bench/bench.json` (a DVC metric: `dvc exp show` lists it beside tau); the whole record
-goes to `logs/runs/bench.json`. Library: `draftline.generation.bench`.
+goes to `logs/runs/bench.json`, with evaluate's offline tau and tau_sampled on the same prompts
+(`metrics/evaluate.json`) beside the served acceptance length. Library:
+`draftline.generation.bench`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from draftline.runtime import hardware, params, run_log
@@ -30,38 +35,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out prompts")
     parser.add_argument("--max-prompts", type=int, default=None, help="default evaluate's")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument(
+        "--engine",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="the servers' protocol (default: the profile's engine when vllm, else sglang)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default evaluate.temperature); 0 compares with greedy tau",
+    )
+    parser.add_argument(
+        "--offline", default="metrics/evaluate.json", help="evaluate's metrics: the offline tau"
+    )
     parser.add_argument("--metrics", default="metrics/bench/bench.json")
     run_log.add_arguments(parser, "bench")
 
 
 def run(args: argparse.Namespace) -> int:
     from draftline.core import target
-    from draftline.generation import bench, sglang_server
+    from draftline.generation import bench, sglang_server, vllm_server
     from draftline.generation.engines.base import Sampling
     from draftline.generation.engines.sglang import sampling_params
+    from draftline.generation.engines.vllm import completion_params
     from draftline.stages.evaluate import held_out_prompts
 
     p = params.load(args.params)
     model, ev = p["model"], p["evaluate"]
     profile = hardware.resolve_profile(p["hardware"])
-    url = args.url or sglang_server.server_url(profile)
+    engine = args.engine or ("vllm" if profile.get("engine") == "vllm" else "sglang")
+    server = vllm_server if engine == "vllm" else sglang_server
+    url = args.url or server.server_url(profile)
     prompts = held_out_prompts(Path(args.eval), args.max_prompts or int(ev["max_prompts"]))
     eot = target.special_token_id(target.load_tokenizer(model), str(model["end_of_turn_token"]))
     sampling = Sampling(
         max_new_tokens=int(ev["max_new_tokens"]),
-        temperature=float(ev.get("temperature") or 0.0),
+        temperature=float(
+            args.temperature if args.temperature is not None else ev.get("temperature") or 0.0
+        ),
         top_p=float(ev.get("top_p") or 1.0),
         top_k=int(ev.get("top_k") or -1),
     )
-    request = sampling_params(sampling, eot)
-    speculative = bench.run_server(url, prompts, request, args.concurrency, "drafter")
+    request = (completion_params if engine == "vllm" else sampling_params)(sampling, eot)
+    speculative = bench.run_server(url, prompts, request, args.concurrency, "drafter", engine)
     baseline = None
     if args.baseline_url:
         baseline = bench.run_server(
-            args.baseline_url, prompts, request, args.concurrency, "baseline"
+            args.baseline_url, prompts, request, args.concurrency, "baseline", engine
         )
+    offline = offline_tau(Path(args.offline))
     record = {
         **bench.summary(speculative, baseline),
+        **offline,
+        "engine": engine,
         "url": url,
         "baseline_url": args.baseline_url,
         "sampling": sampling.as_dict(),
@@ -70,9 +98,25 @@ def run(args: argparse.Namespace) -> int:
     }
     run_log.write(args, "bench", record, RESULT_KEYS)
     speed = f", x{record['speedup']:.2f} over the baseline" if record.get("speedup") else ""
+    offline_key = "offline_tau_sampled" if sampling.temperature > 0 else "offline_tau"
+    beside = (
+        f"; offline {offline_key.removeprefix('offline_')} {record[offline_key]:.2f} on the "
+        "same prompts"
+        if record.get(offline_key) is not None
+        else ""
+    )
     print(
         f"bench: acceptance length {record['acceptance_length']:.2f} at temperature "
-        f"{sampling.temperature:g}, {record['output_tok_s']:,.0f} output tok/s{speed} "
-        f"({record['requests']} prompts)"
+        f"{sampling.temperature:g}{beside}, {record['output_tok_s']:,.0f} output tok/s{speed} "
+        f"({record['requests']} prompts, {engine})"
     )
     return 0
+
+
+def offline_tau(path: Path) -> dict[str, float | None]:
+    """Evaluate's tau (greedy) and tau_sampled (at the serving temperature) on the held-out
+    prompts, to stand beside the served acceptance length; empty without evaluate's metrics."""
+    if not path.is_file():
+        return {}
+    figures = json.loads(path.read_text(encoding="utf-8"))
+    return {"offline_tau": figures.get("tau"), "offline_tau_sampled": figures.get("tau_sampled")}

@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "conf/model/<model>.yaml)",
     )
     parser.add_argument("--no-rate", action="store_true", help="skip the thinking-format check")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="tiny only: attention heads (key/value heads: half), head_dim = 64 / heads; "
+        "2 gives head_dim 32, which vLLM's CPU attention runs (the default 4 gives 16)",
+    )
 
 
 def _profile(model: str) -> dict[str, Any]:
@@ -49,7 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
     module, default_out = BUILDERS[args.model]
     out = args.out or default_out
-    figures = importlib.import_module(module).build(out)
+    if args.heads is not None:
+        if args.model != "tiny":
+            raise SystemExit("--heads is for --model tiny only")
+        config = tiny_target.BuildConfig(
+            num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2)
+        )
+        figures = tiny_target.build(out, config)
+    else:
+        figures = importlib.import_module(module).build(out)
     print(
         f"wrote {out}: {figures['num_parameters']:,} parameters, "
         f"vocab {figures['vocab_size']}, "

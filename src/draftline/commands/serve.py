@@ -1,8 +1,10 @@
-"""Start, stop or show the SGLang servers of this node (from the hardware profile).
+"""Start, stop or show the inference servers of this node (from the hardware profile): SGLang,
+or vLLM for a profile with `engine: vllm` (e.g. `--hardware vllm_cpu`).
 
   draftline serve start [--hardware b200x8] [--host 0.0.0.0] [--port 30000] [--dry-run]
   draftline serve start --drafter models/drafter --port 30001   # the trained drafter (DFLASH)
   draftline serve start --no-speculation --port 30002           # the baseline of `bench`
+  draftline serve start --hardware vllm_cpu [--drafter models/drafter]  # vLLM (dflash)
   draftline serve status
   draftline serve stop [--port 30000 | --all]
 
@@ -17,7 +19,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from draftline.generation import sglang_server
+from draftline.generation import sglang_server, vllm_server
+from draftline.generation.server_process import display
 from draftline.runtime import hardware, params
 
 
@@ -59,22 +62,22 @@ def run(args: argparse.Namespace) -> int:
         return _stop(args)
     p = params.load(args.params)
     profile = profile_for(p, args.hardware)
+    server = vllm_server if profile.get("engine") == "vllm" else sglang_server
     try:
         model = sglang_server.with_speculation(p["model"], args.drafter, args.no_speculation)
-        command = sglang_server.server_command(profile, model, host=args.host, port=args.port)
+        command = server.server_command(profile, model, host=args.host, port=args.port)
         if args.dry_run:
-            env = sglang_server.server_env(profile, model)
+            env = server.server_env(profile, model)
             print(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + command))
             return 0
         timeout = args.timeout or float((p.get("generate") or {}).get("serve_timeout_s", 1800))
-        state = sglang_server.start(
-            profile, model, host=args.host, port=args.port, timeout_s=timeout
-        )
+        state = server.start(profile, model, host=args.host, port=args.port, timeout_s=timeout)
     except sglang_server.ServeError as exc:
         print(f"serve start failed: {exc}")
         return 1
     print(
-        f"SGLang ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, log {state.log}"
+        f"{display(state.kind)} ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, "
+        f"log {state.log}"
     )
     return 0
 
@@ -89,7 +92,7 @@ def _status() -> int:
         health = "healthy" if up and sglang_server.healthy(s.url) else "not answering"
         print(
             f"{s.url}  pid {s.pid}  {'running' if up else 'gone'}, {health}  "
-            f"profile {s.profile}  log {s.log}"
+            f"profile {s.profile}  log {s.log}  {display(s.kind)}"
         )
     return 0
 

@@ -1,16 +1,21 @@
-"""A live benchmark of speculative decoding: the held-out prompts sent to an SGLang server that
-serves the target with the trained drafter, and to one that serves it without speculation.
+"""A live benchmark of speculative decoding: the held-out prompts sent to a server (SGLang or
+vLLM) that serves the target with the trained drafter, and to one that serves it without
+speculation.
 
-Acceptance length is SGLang's own measure: output tokens over verify steps (target forwards),
-`completion_tokens / spec_verify_ct` of each answer's `meta_info`, summed over the requests
-(the bonus token counts, as in `tau`). Speed is output tokens per second of wall time with
-`concurrency` requests in flight; the speed-up is that over the baseline server's, measured the
-same way on the same prompts and sampling.
+Acceptance length is the server's own measure of tokens per verify step (target forward), the
+bonus token counted, as in `tau`. SGLang: `completion_tokens / spec_verify_ct` of each answer's
+`meta_info`, summed over the requests. vLLM (`/v1/completions`, which reports no per-request
+statistics): its Prometheus counters at `/metrics`, read before and after the run,
+`1 + accepted tokens / drafts` (`vllm:spec_decode_num_accepted_tokens`,
+`vllm:spec_decode_num_drafts`), vLLM's "mean acceptance length". Speed is output tokens per
+second of wall time with `concurrency` requests in flight; the speed-up is that over the
+baseline server's, measured the same way on the same prompts and sampling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,11 +34,15 @@ class ServerRun:
     completion_tokens: int
     verify_steps: int | None  # None: the server reported no speculative statistics
     wall_s: float
+    # vLLM: drafted tokens accepted over the run (its counters); None for SGLang.
+    accepted_tokens: int | None = None
 
     @property
     def acceptance_length(self) -> float | None:
         if not self.verify_steps:
             return None
+        if self.accepted_tokens is not None:
+            return 1 + self.accepted_tokens / self.verify_steps
         return self.completion_tokens / self.verify_steps
 
     @property
@@ -41,20 +50,36 @@ class ServerRun:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-async def _generate(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], sampling: dict[str, Any]
+async def _ask(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    protocol: str,
 ) -> dict[str, Any]:
-    body = {"input_ids": prompt, "sampling_params": sampling, "rid": uuid.uuid4().hex}
-    async with session.post(f"{url}/generate", json=body) as response:
+    """One request; the answer's statistics: SGLang's `meta_info` (`/generate`), vLLM's
+    `usage` (`/v1/completions`)."""
+    if protocol == "vllm":
+        route, part = "/v1/completions", "usage"
+        body = {**sampling, "prompt": prompt, "request_id": uuid.uuid4().hex}
+    else:
+        route, part = "/generate", "meta_info"
+        body = {"input_ids": prompt, "sampling_params": sampling, "rid": uuid.uuid4().hex}
+    async with session.post(f"{url}{route}", json=body) as response:
         answer = await response.json(content_type=None)
         if response.status != 200:
             message = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else ""
-            raise RuntimeError(f"{url}/generate answered {response.status}: {message}")
-    return answer["meta_info"]
+            raise RuntimeError(f"{url}{route} answered {response.status}: {message}")
+    return answer[part]
 
 
 async def _run(
-    url: str, prompts: Sequence[list[int]], sampling: dict[str, Any], concurrency: int, label: str
+    url: str,
+    prompts: Sequence[list[int]],
+    sampling: dict[str, Any],
+    concurrency: int,
+    label: str,
+    protocol: str,
 ) -> ServerRun:
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
@@ -63,17 +88,42 @@ async def _run(
 
             async def one(prompt: list[int]) -> dict[str, Any]:
                 async with gate:
-                    meta = await _generate(session, url, prompt, sampling)
+                    meta = await _ask(session, url, prompt, sampling, protocol)
                 bar.update(1)
                 return meta
 
+            before = await spec_counters(session, url) if protocol == "vllm" else None
             began = time.perf_counter()
             metas = await asyncio.gather(*(one(p) for p in prompts))
             wall = time.perf_counter() - began
+            after = await spec_counters(session, url) if protocol == "vllm" else None
     tokens = sum(int(m.get("completion_tokens") or 0) for m in metas)
+    if before is not None and after is not None:
+        drafts = after["drafts"] - before["drafts"]
+        accepted = after["accepted"] - before["accepted"]
+        return ServerRun(len(metas), tokens, drafts or None, wall, accepted)
     steps = [m.get("spec_verify_ct") for m in metas]
     verify = sum(int(s) for s in steps) if all(s is not None for s in steps) else None
     return ServerRun(len(metas), tokens, verify, wall)
+
+
+# vLLM's speculative-decoding counters (Prometheus text; `_total` suffix on counters).
+_COUNTER = re.compile(
+    r"^vllm:spec_decode_num_(drafts|accepted_tokens)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
+    re.MULTILINE,
+)
+
+
+async def spec_counters(session: aiohttp.ClientSession, url: str) -> dict[str, int] | None:
+    """vLLM's drafts and accepted tokens so far (summed over engines); None without them."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    found = {"drafts": 0.0, "accepted": 0.0}
+    seen = False
+    for name, value in _COUNTER.findall(text):
+        found["drafts" if name == "drafts" else "accepted"] += float(value)
+        seen = True
+    return {k: int(v) for k, v in found.items()} if seen else None
 
 
 def run_server(
@@ -82,12 +132,16 @@ def run_server(
     sampling: dict[str, Any],
     concurrency: int = 16,
     label: str = "",
+    protocol: str = "sglang",
 ) -> ServerRun:
-    """Send every prompt (token ids) to `url` with `concurrency` in flight; wait for all."""
+    """Send every prompt (token ids) to `url` with `concurrency` in flight; wait for all.
+    `protocol`: `sglang` (native `/generate`) or `vllm` (`/v1/completions` and `/metrics`)."""
     if not prompts:
         raise ValueError("no prompts to send")
     try:
-        return asyncio.run(_run(url.rstrip("/"), prompts, sampling, concurrency, label or url))
+        return asyncio.run(
+            _run(url.rstrip("/"), prompts, sampling, concurrency, label or url, protocol)
+        )
     except aiohttp.ClientConnectionError as exc:
         raise SystemExit(
             f"bench: cannot reach {url} ({exc}): start it with `draftline serve start "
@@ -99,8 +153,9 @@ def summary(speculative: ServerRun, baseline: ServerRun | None) -> dict[str, Any
     """The figures `draftline bench` records."""
     if speculative.acceptance_length is None:
         raise SystemExit(
-            "bench: the server reported no speculative statistics (spec_verify_ct): is it "
-            "serving the drafter? `draftline serve start --drafter models/drafter`"
+            "bench: the server reported no speculative statistics (SGLang's spec_verify_ct, "
+            "vLLM's spec_decode counters): is it serving the drafter? `draftline serve start "
+            "--drafter models/drafter`"
         )
     out: dict[str, Any] = {
         "acceptance_length": speculative.acceptance_length,
@@ -108,6 +163,7 @@ def summary(speculative: ServerRun, baseline: ServerRun | None) -> dict[str, Any
         "requests": speculative.requests,
         "completion_tokens": speculative.completion_tokens,
         "verify_steps": speculative.verify_steps,
+        "accepted_tokens": speculative.accepted_tokens,
         "wall_s": speculative.wall_s,
     }
     if baseline is not None:

@@ -3,7 +3,8 @@
 `local`: transformers in this process. `sglang`: a client of the SGLang servers at
 $DRAFTLINE_SGLANG_ENDPOINTS (comma-separated URLs), else `generate.endpoints`, else the profile's
 own server; when none answers, `generate.autostart: true` starts it (`draftline serve start`),
-otherwise generation stops and names the command to run.
+otherwise generation stops and names the command to run. `vllm`: the same for a vLLM server
+(`hardware.vllm`, $DRAFTLINE_VLLM_ENDPOINTS, `draftline serve start --hardware vllm_cpu`).
 """
 
 from __future__ import annotations
@@ -37,48 +38,65 @@ def make_engine(
         return LocalEngine.from_config(p["model"], sampling, tokenizer, end_of_turn, profile)
     if kind == "sglang":
         return make_sglang_engine(p, profile, sampling, end_of_turn)
-    raise SystemExit(f"hardware.engine={kind!r} is not an engine: use local or sglang")
+    if kind == "vllm":
+        return make_vllm_engine(p, profile, sampling, end_of_turn)
+    raise SystemExit(f"hardware.engine={kind!r} is not an engine: use local, sglang or vllm")
 
 
 def make_sglang_engine(
     p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
 ) -> Engine:
-    from draftline.generation import sglang_server
-    from draftline.generation.engines.sglang import (
-        ClientSettings,
-        SGLangEngine,
-        reachable,
-        resolve_endpoints,
-    )
+    return make_server_engine("sglang", p, profile, sampling, end_of_turn)
 
+
+def make_vllm_engine(
+    p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
+) -> Engine:
+    return make_server_engine("vllm", p, profile, sampling, end_of_turn)
+
+
+def make_server_engine(
+    kind: str, p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
+) -> Engine:
+    """A client of the `kind` servers (sglang or vllm) this profile names, started on demand."""
+    from draftline.generation import sglang_server, vllm_server
+    from draftline.generation.engines import sglang, vllm
+    from draftline.generation.server_process import ServeError, display
+
+    server = sglang_server if kind == "sglang" else vllm_server
+    client = sglang if kind == "sglang" else vllm
+    read_settings = sglang_server.sglang_settings if kind == "sglang" else vllm_server.vllm_settings
+    settings = read_settings(profile)
     gen = p.get("generate") or {}
-    sg = sglang_server.sglang_settings(profile)
-    endpoints = resolve_endpoints(
-        gen.get("endpoints"), str(sg.get("host") or "127.0.0.1"), int(sg.get("port") or 30000)
+    endpoints = sglang.resolve_endpoints(
+        gen.get("endpoints"),
+        server.bind_host(profile),
+        server.bind_port(profile),
+        env=client.ENDPOINTS_ENV,
     )
-    if not reachable(endpoints):
-        own = sglang_server.server_url(profile)
+    name = display(kind)
+    if not sglang.reachable(endpoints):
+        own = server.server_url(profile)
         if gen.get("autostart") and endpoints == [own]:
-            print(f"no SGLang server at {own}: starting one (generate.autostart)")
+            print(f"no {name} server at {own}: starting one (generate.autostart)")
             try:
-                sglang_server.start(
-                    profile, p["model"], timeout_s=float(gen.get("serve_timeout_s", 1800))
-                )
-            except sglang_server.ServeError as exc:
+                server.start(profile, p["model"], timeout_s=float(gen.get("serve_timeout_s", 1800)))
+            except ServeError as exc:
                 raise SystemExit(f"generate: autostart failed: {exc}") from exc
         else:
             raise SystemExit(
-                f"generate: no SGLang server answers /health at {', '.join(endpoints)}. Start one "
-                f"with `draftline serve start` (hardware={profile.get('name')}), or set "
-                "generate.autostart=true, or point $DRAFTLINE_SGLANG_ENDPOINTS at running servers"
+                f"generate: no {name} server answers /health at {', '.join(endpoints)}. Start "
+                f"one with `draftline serve start` (hardware={profile.get('name')}), or set "
+                f"generate.autostart=true, or point ${client.ENDPOINTS_ENV} at running servers"
             )
-    settings = ClientSettings(
+    client_settings = sglang.ClientSettings(
         endpoints=tuple(endpoints),
-        max_in_flight=int(sg.get("max_in_flight") or 256),
+        max_in_flight=int(settings.get("max_in_flight") or 256),
         request_timeout_s=float(gen.get("request_timeout_s", 3600)),
         max_retries=int(gen.get("max_retries", 5)),
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
         backoff_max_s=float(gen.get("backoff_max_s", 30)),
     )
+    engine = sglang.SGLangEngine if kind == "sglang" else vllm.VLLMEngine
     serving = sglang_server.serving_identity(p["model"])
-    return SGLangEngine(settings, sampling, end_of_turn, serving)
+    return engine(client_settings, sampling, end_of_turn, serving)

@@ -44,11 +44,14 @@ class ClientSettings:
     health_timeout_s: float = 5.0
 
 
-def resolve_endpoints(configured: Sequence[str] | str | None, host: str, port: int) -> list[str]:
-    """Endpoints from $DRAFTLINE_SGLANG_ENDPOINTS, else `generate.endpoints`, else the profile's
-    own server (`http://host:port`). Several URLs (comma-separated in the variable) spread the
-    load; one URL may be a single server or a router in front of many."""
-    raw: Sequence[str] | str | None = os.environ.get(ENDPOINTS_ENV) or configured
+def resolve_endpoints(
+    configured: Sequence[str] | str | None, host: str, port: int, env: str = ENDPOINTS_ENV
+) -> list[str]:
+    """Endpoints from $DRAFTLINE_SGLANG_ENDPOINTS (the engine's variable `env`), else
+    `generate.endpoints`, else the profile's own server (`http://host:port`). Several URLs
+    (comma-separated in the variable) spread the load; one URL may be a single server or a
+    router in front of many."""
+    raw: Sequence[str] | str | None = os.environ.get(env) or configured
     if isinstance(raw, str):
         raw = [u for u in raw.split(",") if u.strip()]
     urls = [u.strip().rstrip("/") for u in (raw or [])]
@@ -100,13 +103,18 @@ class _Retryable(Exception):
 
 
 class SGLangEngine:
+    """The HTTP client: SGLang's `/generate`. Another server's protocol (the vLLM engine)
+    overrides `route`, `_payload` and `_parse` and keeps the scheduling, retries and health."""
+
     name = "sglang"
+    label = "SGLang"  # the server, in messages
+    route = "/generate"
 
     def __init__(
         self, settings: ClientSettings, sampling: Sampling, end_of_turn: int, serving: str = ""
     ) -> None:
         if not settings.endpoints:
-            raise ValueError("no SGLang endpoint given")
+            raise ValueError(f"no {self.label} endpoint given")
         self.settings = settings
         self.params = sampling_params(sampling, end_of_turn)
         self.end_of_turn = end_of_turn
@@ -172,13 +180,7 @@ class SGLangEngine:
         last: _Retryable | None = None
         for attempt in range(s.max_retries + 1):
             endpoint = self._pick(avoid=failed)
-            payload = orjson.dumps(
-                {
-                    "input_ids": request.prompt_ids,
-                    "sampling_params": self.params,
-                    "rid": f"{request.id}-{attempt}",
-                }
-            )
+            payload = self._payload(request, attempt)
             self.in_flight[endpoint] += 1
             self.requests_sent += 1
             try:
@@ -195,18 +197,32 @@ class SGLangEngine:
         assert last is not None
         if last.connection and not await self._any_healthy(session):
             raise EngineUnavailable(
-                f"no SGLang endpoint answers any more ({', '.join(self.in_flight)}): {last}. "
+                f"no {self.label} endpoint answers any more ({', '.join(self.in_flight)}): {last}. "
                 "Finished samples are journaled; check `draftline serve status` and the server "
                 "log under logs/serve/, then rerun the stage to resume."
             )
         return Result(id=request.id, error=f"failed after {s.max_retries + 1} attempts: {last}")
+
+    def _payload(self, request: Request, attempt: int) -> bytes:
+        """The body of one request (one sample)."""
+        return orjson.dumps(
+            {
+                "input_ids": request.prompt_ids,
+                "sampling_params": self.params,
+                "rid": f"{request.id}-{attempt}",
+            }
+        )
+
+    def _parse(self, sample_id: str, body: dict[str, Any]) -> Result:
+        """The Result of one 200 answer (already a JSON object)."""
+        return parse_response(sample_id, body, self.end_of_turn)
 
     async def _post(
         self, session: aiohttp.ClientSession, endpoint: str, sample_id: str, payload: bytes
     ) -> Result:
         try:
             async with session.post(
-                f"{endpoint}/generate",
+                f"{endpoint}{self.route}",
                 data=payload,
                 headers={"Content-Type": "application/json"},
             ) as resp:
@@ -219,7 +235,7 @@ class SGLangEngine:
                         raise _Retryable(
                             f"malformed answer from {endpoint}: {raw[:300]!r}", connection=False
                         )
-                    return parse_response(sample_id, body, self.end_of_turn)
+                    return self._parse(sample_id, body)
                 detail = raw[:300].decode("utf-8", "replace")
                 if resp.status == 429 or resp.status >= 500:
                     raise _Retryable(

