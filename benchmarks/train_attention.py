@@ -136,7 +136,7 @@ def train_step(
     parts = LOSSES[impl](hidden, drafter.target.lm_head_weight, case["labels"], case["weights"])
     loss = parts.weighted_ce / case["weights"].sum()
     loss.backward()
-    return hidden.detach(), float(loss)
+    return hidden.detach(), float(loss.detach())
 
 
 def attention_inputs(
