@@ -220,3 +220,21 @@ def test_the_window_matters_and_evaluation_drafts_follow_it(twin_case):
     assert torch.allclose(sliding[0, 0], whole[0, 0], atol=1e-6)
     assert not torch.allclose(sliding[0, 2], whole[0, 2], atol=1e-3)
     assert torch.equal(drafts, torch.stack(one_by_one))
+
+
+def test_the_drafter_params_build_the_layout_that_training_and_evaluate_use():
+    """train and evaluate build their drafter from params.drafter (`build_drafter`)."""
+    from draftline.drafter.build import Hyperparameters, build_drafter
+
+    params = {
+        "num_hidden_layers": 3, "block_size": BLOCK, "gamma": 4.0, "max_anchors": 8,
+        "global_batch_size": 2, "lr": 1e-3, "weight_decay": 0.0, "warmup_ratio": 0.0,
+        "epochs": 1, "grad_clip": 1.0, "seed": 0, "layer_types": LAYOUT, "sliding_window": WINDOW,
+    }  # fmt: skip
+    model = {**TWIN, "mask_token_id": 1534, "target_layer_ids": LAYER_IDS}
+    drafter = build_drafter(model, Hyperparameters.from_params(params))
+    assert drafter.config.layer_types == LAYOUT and drafter.config.sliding_window == WINDOW
+    windows = [layer.self_attn.sliding_window for layer in drafter.layers]
+    assert windows == [WINDOW, WINDOW, None]
+    full = build_drafter(model, Hyperparameters.from_params({**params, "layer_types": None}))
+    assert [layer.self_attn.sliding_window for layer in full.layers] == [None] * 3
