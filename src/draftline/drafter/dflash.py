@@ -484,8 +484,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's frozen lm_head over drafter hidden states."""
-        return F.linear(hidden, self.target.lm_head_weight.to(hidden.dtype))
+        """The target's frozen lm_head over hidden states, in the head's dtype (never copied)."""
+        return F.linear(hidden.to(self.target.lm_head_weight.dtype), self.target.lm_head_weight)
 
     @torch.no_grad()
     def draft_block(self, context_features: torch.Tensor, anchor_id: int) -> torch.Tensor:
