@@ -71,10 +71,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, labels.numel(), chunk):
                 rows = slice(start, start + chunk)
                 logits = _chunk_logits(hidden[rows], head)
-                lse[rows] = torch.logsumexp(logits, -1)
                 target = logits.gather(1, labels[rows, None]).squeeze(1)
-                total += ((lse[rows] - target) * weights[rows]).sum()
                 hits[rows] = logits.argmax(-1) == labels[rows]
+                # log-sum-exp in place: no second vocab-sized buffer.
+                top = logits.amax(-1, keepdim=True)
+                lse[rows] = logits.sub_(top).exp_().sum(-1).log_() + top.squeeze(1)
+                total += ((lse[rows] - target) * weights[rows]).sum()
                 del logits
         ctx.save_for_backward(hidden, head, labels, weights, lse)
         ctx.chunk = chunk
