@@ -102,6 +102,16 @@ def test_the_scaled_loss_gives_the_scaled_gradient_and_the_head_none():
     assert head.grad is None
 
 
+def test_a_batch_without_supervised_labels_has_zero_loss_and_gradient():
+    head = target_head("tiny-target")
+    hidden, labels, weights = case(head, blocks=4)
+    leaf = hidden.clone().requires_grad_(True)
+    parts = block_loss(leaf, head, labels, torch.zeros_like(weights), kernel="torch")
+    parts.weighted_ce.backward()
+    assert parts.weighted_ce == 0 and parts.counted.sum() == 0
+    assert torch.equal(leaf.grad, torch.zeros_like(leaf))
+
+
 def test_no_tensor_the_size_of_the_full_logits_is_allocated():
     head = target_head("tiny-target")
     hidden, labels, weights = case(head, blocks=32)
