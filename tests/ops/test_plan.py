@@ -408,21 +408,18 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         assert set(prof["total"]) == {"offline", "online"}
         for stage in prof["stages"].values():
             assert set(stage) == {"seconds", "days", "range_days", "over_limit", "source"}
-    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days, and
-    # it does not fit a PRO 6000 either (the target beside the drafter).
+    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days; it
+    # fits a PRO 6000, the target sharded over the node's GPUs beside the drafter.
     assert [(f["kind"], f["profile"], f["stage"]) for f in out["flags"]] == [
         ("time", "pro6000x4", "train_online"),
-        ("memory", "pro6000x4", "train_online"),
     ]
     assert out["profiles"]["cpu"]["memory"]["stages"] == {}
     for name in ("pro6000x4", "b200x8"):
         memory = out["profiles"][name]["memory"]
         assert set(memory["stages"]) == {"extract", "train_offline", "train_online"}
         assert memory["device_bytes"] > memory["usable_bytes"]
-    memory_recs = [r for r in out["recommendations"] if r["kind"] == "memory"]
-    assert [(r["profile"], r["override"]) for r in memory_recs] == [
-        ("pro6000x4", "extract.features=offline")
-    ]
+        assert memory["layout"]["sharding"] == "fsdp"
+    assert not [r for r in out["recommendations"] if r["kind"] == "memory"]
 
 
 def test_no_memory_skips_the_fake_tensor_runs(capsys, conf, tmp_path):
@@ -489,7 +486,8 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
     assert "1.18 d (0.88–1.76)" in out  # b200x8 generation and its range
     assert "140.1 TB" in out and "over budget" in out
     assert "FLAG" in out and "RECOMMEND" in out and "extract.features=online" in out
-    assert "Memory per GPU" in out and "OOM" in out  # online training on the PRO 6000
+    # Online training fits the PRO 6000 too, the target sharded over its four GPUs.
+    assert "Memory per GPU" in out and "fsdp x4" in out and "OOM" not in out
     for name in ("cpu", "pro6000x4", "b200x8"):
         assert name in out
 
@@ -533,7 +531,7 @@ def test_cli_tables_fit_80_columns_with_every_figure_whole(
     for figure in figures:
         assert figure in out, figure
     if not from_metrics:
-        assert "Memory per GPU" in out and "OOM" in out
+        assert "Memory per GPU" in out and "online: GPU free" in out
 
 
 def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_metrics):

@@ -337,12 +337,21 @@ def _memory_cell(info: dict[str, Any] | None) -> str:
     return cell if info["fits"] else f"[bold red]{cell} OOM[/]"
 
 
+def _layout_cell(layout: dict[str, Any] | None) -> str:
+    """E.g. `fsdp x4` (`+ac` with activation checkpointing); `-` when not planned."""
+    if not layout:
+        return "-"
+    cell = f"{layout['sharding']} x{layout['processes']}"
+    return cell + (" +ac" if layout.get("activation_checkpointing") else "")
+
+
 def _print_memory(console: Any, plan: dict[str, Any]) -> None:
     rows = [p for p in plan["profiles"].values() if (p.get("memory") or {}).get("device_bytes")]
     if not rows:
         return
     table_rows: list[tuple[str, list[str]]] = [
-        ("GPU GiB", [f"{p['memory']['device_bytes'] / 2**30:,.1f}" for p in rows])
+        ("GPU GiB", [f"{p['memory']['device_bytes'] / 2**30:,.1f}" for p in rows]),
+        ("training layout", [_layout_cell(p["memory"].get("layout")) for p in rows]),
     ]
     for key in memory_plan.STAGES:
         cells = [_memory_cell(p["memory"]["stages"].get(key)) for p in rows]
@@ -351,6 +360,10 @@ def _print_memory(console: Any, plan: dict[str, Any]) -> None:
     for item in dict.fromkeys(k for h in held for k in h):
         cells = [f"{h[item] / 2**30:,.1f}" if item in h else "—" for h in held]
         table_rows.append((f"  held: {item.replace('_', ' ')}", cells))
+    free = [1 - p["memory"]["stages"]["train_online"]["peak_bytes"] / p["memory"]["device_bytes"]
+            for p in rows if "train_online" in p["memory"]["stages"]]  # fmt: skip
+    if len(free) == len(rows):
+        table_rows.append(("online: GPU free", [f"{f:.0%}" for f in free]))
     table = _by_profile(
         "Memory per GPU, GiB (fake-tensor run of the project's code; 5% kept free)",
         rows,

@@ -14,6 +14,12 @@ Two shortcuts keep it fast; each leaves the peak unchanged:
 
 The attention is measured with the kernels a GPU runs (fused, key/value heads repeated for the
 query heads: see `dflash.block_prefix_attention`).
+
+The training step is laid out as the profile trains it (`drafter.sharding`): under FSDP the
+drafter and the online target are sharded over the profile's processes on a fake process group
+(collectives that move no data, so one process plans every rank's share, all-gather and
+reduce-scatter buffers included), with the profile's activation checkpointing, and the loss is
+the loop's own call (`training.step_loss`).
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from draftline.drafter import dflash, objective
+from draftline.drafter import dflash, features, linear_cross_entropy, objective, sharding
 from draftline.drafter.build import Hyperparameters
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
-from draftline.drafter.features import target_layer_states
-from draftline.drafter.objective import block_loss
+from draftline.drafter.features import needed_layers_only, target_layer_states
+from draftline.drafter.objective import MicroBatch
+from draftline.drafter.sharding import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Figures already measured, by their inputs and the measuring code (git-ignored working state).
@@ -57,21 +64,50 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.now = self.peak = resident
         self._alive: dict[int, weakref.finalize] = {}
+        self._size: dict[int, int] = {}
 
     def _count(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        self._track(tensor.untyped_storage())
+
+    def _track(self, storage: Any) -> int:
         key = id(storage)
         if key in self._alive:
-            return
+            return key
         size = storage.nbytes()
 
-        def freed(key: int = key, size: int = size) -> None:
+        def freed(key: int = key) -> None:
             self._alive.pop(key, None)
-            self.now -= size
+            self.now -= self._size.pop(key, 0)
 
         self._alive[key] = weakref.finalize(storage, freed)
+        self._size[key] = size
         self.now += size
         self.peak = max(self.peak, self.now)
+        return key
+
+    def _resized(self, storage: Any, size: int) -> None:
+        """FSDP2 frees and re-allocates gathered parameters by resizing their storage."""
+        key = self._track(storage)
+        self.now += size - self._size[key]
+        self._size[key] = size
+        self.peak = max(self.peak, self.now)
+
+    def __enter__(self) -> LiveBytes:
+        original = torch.UntypedStorage.resize_
+        live = self
+
+        def resize_(storage: Any, size: int) -> Any:
+            out = original(storage, size)
+            live._resized(storage, int(size))
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -139,13 +175,32 @@ def _causal_lm(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     return lm.requires_grad_(False).eval()
 
 
-def target_weight_bytes(config: dict[str, Any], precision: str) -> int:
+def target_weight_bytes(
+    config: dict[str, Any],
+    precision: str,
+    layer_ids: list[int] | None = None,
+    shards: int = 1,
+) -> int:
     """The target's text model (what `core.target.load_model` loads), counted on the meta
-    device: every parameter and buffer once (tied weights once)."""
+    device: every parameter and buffer once (tied weights once). With `layer_ids`, what
+    online training keeps of it (`features.needed_layers_only`); with `shards` > 1, one
+    process's FSDP2 share of its parameters (dim 0 split evenly, padded) plus its buffers."""
     with torch.device("meta"):
         lm = _causal_lm(transformers_config(config), DTYPES[precision])
-    tensors = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    model = needed_layers_only(lm, layer_ids) if layer_ids is not None else lm
+    params = {id(t): t for t in model.parameters()}
+    buffers = {id(t): t for t in model.buffers()}
+    return sum(_share(t, shards) for t in params.values()) + sum(
+        t.numel() * t.element_size() for t in buffers.values()
+    )
+
+
+def _share(tensor: torch.Tensor, shards: int) -> int:
+    """Bytes of one process's FSDP2 shard of `tensor` (the whole tensor when shards == 1)."""
+    if shards <= 1 or tensor.dim() == 0:
+        return tensor.numel() * tensor.element_size()
+    rows = -(-tensor.shape[0] // shards)
+    return rows * (tensor.numel() // tensor.shape[0]) * tensor.element_size()
 
 
 def shallow_depth(config: dict[str, Any], num_states: int) -> int:
@@ -236,6 +291,27 @@ def _bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+@contextmanager
+def process_group(layout: Layout, world_size: int, shard_one: bool = False) -> Iterator[Any]:
+    """The device mesh the layout shards over: a fake process group of `world_size` ranks (this
+    process is rank 0) under FSDP, none (None) under DDP or for one process (which training
+    does not shard, unless `shard_one`)."""
+    import torch.distributed as dist
+
+    if layout.sharding != "fsdp" or world_size < (1 if shard_one else 2):
+        yield None
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists: plan memory outside training")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield sharding.mesh(torch.device("cpu"), world_size)  # outside fake tensors
+    finally:
+        dist.destroy_process_group()
+
+
 def train_step_peak(
     model: dict[str, Any],
     hp: Hyperparameters,
@@ -245,69 +321,119 @@ def train_step_peak(
     online: bool,
     gpu: bool = True,
     shallow: bool = True,
+    layout: Layout | None = None,
+    world_size: int = 1,
+    shard_one_process: bool = False,
 ) -> Peak:
     """One training step at steady state (optimizer state already there), on one device.
 
     The step is `drafter.training.train`'s: features (read, or computed by the frozen target
-    when `online`), the drafter under autocast, the block loss, backward, AdamW. Every sequence
-    is `max_length` tokens with `drafter.max_anchors` blocks.
+    when `online`, cut after its last needed layer), the drafter under autocast laid out as
+    `layout` says over `world_size` processes, `training.step_loss`, backward, AdamW. Every
+    sequence is `max_length` tokens with `drafter.max_anchors` blocks. The resident figures
+    are one process's: its shards under FSDP. shard_one_process: FSDP2 over a world of one
+    (what `benchmarks/gpu_check.py` runs on a single GPU), which training never does.
     """
-    from draftline.drafter.training import autocast
+    from draftline.drafter.training import autocast, step_loss
 
+    layout = layout or Layout()
     config = text_config(model)
     k = len(model["target_layer_ids"])
     b, t, n, s = micro_batch, max_length, hp.max_anchors, hp.block_size
     with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(process_group(layout, world_size, shard_one_process))
         stack.enter_context(fake_tensors())
-        make_target, layers, weights = (
-            stack.enter_context(_target(model, config, precision, shallow))
-            if online
-            else (None, [], 0)
-        )
-        with LiveBytes(resident=weights) as live:
-            target = make_target() if make_target is not None else None
-            target_bytes = live.now if not shallow else weights
-            drafter = _drafter(model, hp, config)
-            drafter.expand_kv_heads = gpu
-            params = list(drafter.parameters())
-            # foreach: AdamW's default for CUDA tensors (its temporaries are whole-model sized).
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, foreach=gpu)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            optimizer.step()  # creates the optimizer state, as every step after the first has it
-            optimizer.zero_grad(set_to_none=True)
-            resident = {
-                "drafter": _bytes(params),
-                "target_head": _bytes([drafter.target.embed_weight, drafter.target.lm_head_weight]),
-                "optimizer": _bytes(
-                    x for state in optimizer.state.values() for x in state.values() if x.dim()
-                ),
-            }
-            live.peak = live.now
-            ids, mask = _tokens(b, t)
-            if target is not None:
-                features = target_layer_states(target, ids, layers, mask).to(torch.bfloat16)
-            else:
-                features = torch.empty(b, t, k * int(config["hidden_size"]), dtype=torch.bfloat16)
-            blocks = torch.zeros(b, n, s, dtype=torch.long)
-            anchors = torch.zeros(b, n, dtype=torch.long)
-            loss_weights = torch.empty(b, n, s)
-            with autocast("cpu", precision):
-                hidden = drafter(features, blocks, anchors)
-                parts = block_loss(hidden, drafter.target.lm_head_weight, blocks, loss_weights)
-                parts.weighted_ce.backward()
-            torch.nn.utils.clip_grad_norm_(params, hp.grad_clip, foreach=gpu)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    if online:
-        resident = {"target": target_bytes, **resident}
+        # Built and laid out before the count starts; their bytes are counted explicitly.
+        target, layers, target_bytes = None, [], 0
+        if online:
+            target, layers, target_bytes = _online_target(model, config, precision, shallow, mesh)
+        drafter = _drafter(model, hp, config)
+        drafter.expand_kv_heads = gpu
+        trained = _lay_out(drafter, layout, mesh)
+        params = list(drafter.parameters())
+        # foreach: AdamW's default for CUDA tensors (its temporaries are whole-model sized).
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, foreach=gpu)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # creates the optimizer state, as every step after the first has it
+        optimizer.zero_grad(set_to_none=True)
+        resident = {
+            "drafter": _bytes(_local(p) for p in params),
+            "target_head": _bytes([drafter.target.embed_weight, drafter.target.lm_head_weight]),
+            "optimizer": _bytes(
+                _local(x) for state in optimizer.state.values() for x in state.values() if x.dim()
+            ),
+        }
+        if online:
+            resident = {"target": target_bytes, **resident}
+        live = stack.enter_context(LiveBytes(resident=sum(resident.values())))
+        ids, mask = _tokens(b, t)
+        if target is not None:
+            features = target_layer_states(target, ids, layers, mask).to(torch.bfloat16)
+        else:
+            features = torch.empty(b, t, k * int(config["hidden_size"]), dtype=torch.bfloat16)
+        blocks = torch.zeros(b, n, s, dtype=torch.long)
+        batch = MicroBatch(
+            sample_ids=[], input_ids=ids, attention_mask=mask, block_ids=blocks,
+            anchors=torch.zeros(b, n, dtype=torch.long), labels=blocks,
+            weights=torch.empty(b, n, s),
+        )  # fmt: skip
+        with autocast("cpu", precision):
+            parts = step_loss(trained, drafter.target.lm_head_weight, features, batch)
+            parts.weighted_ce.backward()
+        torch.nn.utils.clip_grad_norm_(params, hp.grad_clip, foreach=gpu)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return Peak(live.peak, resident)
+
+
+def _online_target(
+    model: dict[str, Any], config: dict[str, Any], precision: str, shallow: bool, mesh: Any
+) -> tuple[torch.nn.Module, list[int], int]:
+    """(the frozen target as online training holds it, the layers to capture, one process's
+    bytes of its weights). Shallow: a short copy (cut and sharded like the real one) runs the
+    forward, the weights are counted on the meta device at full depth."""
+    ids = [int(i) for i in model["target_layer_ids"]]
+    shards = 1 if mesh is None else mesh.size()
+    if shallow:
+        short = _shallow_target(config, len(ids), precision)
+        layers = list(range(len(ids)))
+        weights = target_weight_bytes(config, precision, ids, shards)
+    else:
+        short = _causal_lm(transformers_config(config), DTYPES[precision])
+        layers, weights = ids, 0
+    target = needed_layers_only(short, layers)
+    if mesh is not None:
+        sharding.shard_target(target, mesh)
+    if not shallow:
+        weights = _bytes(_local(p) for p in target.parameters())
+        weights += _bytes(list(target.buffers()))
+    return target, layers, weights
+
+
+def _lay_out(drafter: DFlashDrafter, layout: Layout, mesh: Any) -> torch.nn.Module:
+    """The drafter as training lays it out on this profile (DDP keeps it whole per process)."""
+    if layout.activation_checkpointing:
+        sharding.checkpoint_layers(drafter.layers)
+    if mesh is not None:
+        return sharding.shard_drafter(drafter, mesh)
+    return drafter
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a (possibly sharded) tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _source_hash() -> str:
     """The code the figures come from: a cached figure is stale once any of it changes."""
     digest = hashlib.sha256(torch.__version__.encode())
-    for module in (dflash, objective, inspect.getmodule(_source_hash)):
+    from draftline.drafter import training
+
+    modules = (dflash, objective, linear_cross_entropy, features, sharding, training)
+    for module in (*modules, inspect.getmodule(_source_hash)):
         digest.update(inspect.getsource(module).encode())  # type: ignore[arg-type]
     return digest.hexdigest()[:16]
 

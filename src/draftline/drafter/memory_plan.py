@@ -1,7 +1,8 @@
 """Memory per GPU of each hardware profile, for `draftline plan`: extract, offline training and
-online training, measured on fake tensors (`draftline.drafter.memory`), with the change that
-makes a stage fit when it does not (a smaller micro-batch or token budget, which split the same
-work differently, or offline features).
+online training, measured on fake tensors (`draftline.drafter.memory`) in the profile's training
+layout (`sharding` over its processes, `activation_checkpointing`), with the change that makes a
+stage fit when it does not (a smaller micro-batch or token budget, which split the same work
+differently, or offline features).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from draftline.drafter import memory
 from draftline.drafter.build import Hyperparameters
+from draftline.drafter.sharding import Layout
 
 GIB = 2**30
 # Left free on the GPU for the CUDA context, the allocator's fragmentation and NCCL buffers.
@@ -45,11 +47,14 @@ def profile_memory(
     tokens = int(profile.get("extract_tokens_per_batch") or max_length)
     usable = limit * (1 - HEADROOM)
     config = memory.text_config(model)
+    layout = Layout.of(profile)
+    world = int(profile.get("processes_per_node") or 1)
 
     def measure(stage: str, size: int) -> memory.Peak:
         key = {
             "stage": stage, "size": size, "config": config, "drafter": hp.__dict__,
             "layers": model["target_layer_ids"], "max_length": max_length, "precision": precision,
+            **({} if stage == "extract" else {"layout": layout.describe(), "world": world}),
         }  # fmt: skip
         if progress:
             progress(f"{profile.get('name')}: {stage.replace('_', ' ')} at {size}")
@@ -58,7 +63,7 @@ def profile_memory(
         else:
             online = stage == "train_online"
             work = lambda: memory.train_step_peak(  # noqa: E731
-                model, hp, max_length, size, precision, online
+                model, hp, max_length, size, precision, online, layout=layout, world_size=world
             )
         return memory.cached(work, key, cache_dir)
 
@@ -81,10 +86,18 @@ def profile_memory(
         "device_bytes": limit,
         "usable_bytes": int(usable),
         "precision": precision,
+        "layout": {**layout.describe(), "processes": world},
         "stages": stages,
         "source": "fake-tensor run of the project's extract and training step "
-        f"({precision}, micro-batch {micro}, {tokens} tokens per extract batch)",
+        f"({precision}, micro-batch {micro}, {tokens} tokens per extract batch, "
+        f"training {describe_layout(layout, world)})",
     }
+
+
+def describe_layout(layout: Layout, world: int) -> str:
+    """E.g. `fsdp over 4 GPUs, activation checkpointing`."""
+    words = f"{layout.sharding} over {world} GPU{'s' if world > 1 else ''}"
+    return words + (", activation checkpointing" if layout.activation_checkpointing else "")
 
 
 def _smaller(
