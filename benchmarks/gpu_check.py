@@ -10,10 +10,16 @@ layers (3 linear-attention then 1 full-attention, repeated), with its drafter's 
 1. extraction: `extraction.pack_features` (length-sorted token-budget batches, forward cut
    after the last target layer, features copied to host as bf16) over long-tailed lengths;
    tokens/s, MFU of the target forward and peak GPU memory.
-2. training: drafter steps (bf16 autocast, AdamW, weighted block loss, backward) on
-   --train-seq-len sequences with features from step 1's model; sequence tokens/s, MFU and
-   peak GPU memory, beside the peak `draftline plan` predicts for the same step on fake
-   tensors (`draftline.drafter.memory`).
+2. training: the training step as `draftline train` lays it out on a GPU profile
+   (`draftline.drafter.sharding`: FSDP2 over the drafter and, online, over the frozen target
+   cut after its last needed layer; --sharding ddp for the other layout), features computed by
+   that target inside the step (--features online, the default) or precomputed (offline), bf16
+   autocast, `training.step_loss` (the fused chunked loss), backward, clipping, AdamW, on
+   --train-seq-len sequences; sequence tokens/s, MFU and peak GPU memory, beside the peak
+   `draftline plan` predicts for the same step and layout on fake tensors
+   (`draftline.drafter.memory`). On one GPU, FSDP2 runs over a one-process group (the same
+   code: hooks, all-gathers, sharded optimizer; nothing to split); under torchrun over N GPUs
+   each process holds 1/N and the figures are per GPU, summed for tokens/s and FLOPs.
 
 FLOPs are counted by torch's FlopCounterMode on an untimed pass of the same work (matmuls and
 attention, whatever kernels run); MFU is them over the GPU's dense bf16 peak (table below, or
@@ -21,14 +27,17 @@ attention, whatever kernels run); MFU is them over the GPU's dense bf16 peak (ta
 the report says so. `--tiny` runs the same code on a tiny hybrid shape on CPU, as a smoke test.
 
     python benchmarks/gpu_check.py [--out gpu_check.json]          # one H200: under 10 minutes
-    python benchmarks/gpu_check.py --tiny                          # CPU smoke
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py            # the sharded step on 4 GPUs
+    python benchmarks/gpu_check.py --tiny                          # CPU smoke (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import socket
 import sys
 import time
 from pathlib import Path
@@ -38,9 +47,14 @@ import torch
 import yaml
 
 from draftline.core.target import hybrid_kernels_missing
+from draftline.drafter import sharding
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.extraction import pack_features
-from draftline.drafter.objective import block_loss, position_weights
+from draftline.drafter.features import needed_layers_only, target_layer_states
+from draftline.drafter.objective import MicroBatch, position_weights
+from draftline.drafter.sharding import Layout
+from draftline.drafter.training import autocast, step_loss
+from draftline.runtime import distributed
 
 # Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), TFLOP/s.
 PEAK_BF16_TFLOPS = {
@@ -97,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--sharding", choices=sharding.SHARDINGS, default="fsdp")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute drafter layers"
+    )
+    p.add_argument("--features", choices=("online", "offline"), default="online")
     p.add_argument("--peak-tflops", type=float, help="override the GPU's bf16 peak")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -204,7 +223,27 @@ def check_extraction(model: Any, shape: dict[str, Any], args: argparse.Namespace
     }
 
 
+def join_world(device: torch.device) -> tuple[int, int]:
+    """(rank, world size): torchrun's group when launched by it, else a one-process group on
+    loopback, so the sharded layout runs its real collectives either way."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if distributed.launched_by_torchrun():
+        distributed.init(backend)
+    elif not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind((distributed.LOOPBACK, 0))
+            port = s.getsockname()[1]
+        address = f"tcp://{distributed.LOOPBACK}:{port}"
+        dist.init_process_group(backend, init_method=address, rank=0, world_size=1)
+    return distributed.rank(), distributed.world_size()
+
+
 def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
+    """The training step laid out as a GPU profile trains (see the module docstring)."""
+    rank, world = join_world(device)
+    layout = Layout(args.sharding, args.activation_checkpointing)
     vocab = int(shape["config"]["vocab_size"])
     config = DFlashConfig.from_target(
         shape["config"],
@@ -215,18 +254,35 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
         **shape["drafter"],
     )
     head = TargetHead.from_model(model)
+    head = TargetHead(head.embed_weight.clone(), head.lm_head_weight.clone())  # kept whole
+    layer_ids = list(config.target_layer_ids)
+    b, t, n, s = args.train_batch, args.train_seq_len, args.anchors, args.block
+    gen = torch.Generator().manual_seed(2 + rank)
+    ids = torch.randint(0, vocab - 1, (b, t), generator=gen)
+    mask = torch.ones_like(ids)
+    online = args.features == "online"
+    # What online training holds of the target: no lm_head (the drafter reads its own copy of
+    # it, `head`), no layer after the last captured one.
+    model.lm_head = torch.nn.Identity()
+    target = needed_layers_only(model, layer_ids)
+    features = None
+    if not online:
+        features = target_layer_states(target, ids.to(device), layer_ids, mask.to(device))
+        features = features.to(torch.bfloat16)
+        target = None
+        model.to("cpu")  # offline training holds no target on the GPU
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, head).to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=device.type == "cuda")
-    b, t, n, s = args.train_batch, args.train_seq_len, args.anchors, args.block
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, vocab - 1, (b, t), generator=gen)
-    features = torch.cat(
-        [
-            pack_features(model, [row.tolist()], config.target_layer_ids, t, device)[0][None]
-            for row in ids
-        ]
-    ).to(device)
+    mesh = sharding.mesh(device, world)
+    if layout.sharding == "fsdp":  # also over one process: the same code as on N
+        if target is not None:
+            sharding.shard_target(target, mesh)
+        if layout.activation_checkpointing:
+            sharding.checkpoint_layers(drafter.layers)
+        trained = sharding.shard_drafter(drafter, mesh)
+    else:
+        trained = sharding.lay_out(drafter, layout, world, device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, foreach=device.type == "cuda")
     anchors = torch.stack(
         [torch.randperm(t - s, generator=gen)[:n].sort().values + 1 for _ in range(b)]
     )
@@ -234,19 +290,25 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
     block_ids[..., 0] = ids.gather(1, anchors)
     labels = ids.gather(1, (anchors[..., None] + torch.arange(s)).flatten(1)).view(b, n, s)
     weights = position_weights(s, 7.0).expand(b, n, s).contiguous()
-    batch = [x.to(device) for x in (block_ids, anchors, labels, weights)]
-    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    batch = MicroBatch(
+        input_ids=ids, attention_mask=mask, anchors=anchors, block_ids=block_ids,
+        labels=labels, weights=weights, sample_ids=[],
+    ).to(device)  # fmt: skip
+    total_weight = float(weights.sum()) * world
 
     def step() -> float:
-        with autocast:
-            hidden = drafter(features, batch[0], batch[1])
-            parts = block_loss(hidden, head.lm_head_weight, batch[2], batch[3])
-            loss = parts.weighted_ce / batch[3].sum()
+        feats = features
+        if target is not None:
+            feats = target_layer_states(target, batch.input_ids, layer_ids, batch.attention_mask)
+            feats = feats.to(torch.bfloat16)
+        with autocast(device.type, "bf16"):
+            parts = step_loss(trained, head.lm_head_weight, feats, batch)
+            loss = parts.weighted_ce * world / total_weight
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach()) / world
 
     for _ in range(2):
         step()
@@ -255,27 +317,36 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
     began = time.perf_counter()
     losses = [step() for _ in range(args.train_steps)]
     synchronize(device)
-    seconds = time.perf_counter() - began
+    seconds = distributed.all_max(time.perf_counter() - began)
     peak = peak_bytes(device)
-    block_tokens = b * n * s * args.train_steps
-    flops = counted_flops(step) * args.train_steps
+    flops = distributed.all_sum([counted_flops(step) * args.train_steps])[0]
     return {
-        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+        "sharding": layout.sharding,
+        "activation_checkpointing": layout.activation_checkpointing,
+        "features": args.features,
+        "world_size": world,
+        "drafter_parameters": sum(p.numel() for p in drafter.parameters()) * world,
         "steps": args.train_steps,
         "seconds": seconds,
-        "sequence_tokens_per_s": b * t * args.train_steps / seconds,
-        "block_tokens_per_s": block_tokens / seconds,
+        "sequence_tokens_per_s": world * b * t * args.train_steps / seconds,
+        "block_tokens_per_s": world * b * n * s * args.train_steps / seconds,
         "flops": flops,
         "loss_first_last": [losses[0], losses[-1]],
         "peak_gpu_bytes": peak,
-        "planned_peak_bytes": planned_train_peak(shape, config, args),
+        "peak_gpu_bytes_max": None if peak is None else int(distributed.all_max(peak)),
+        "drafter_config": config,  # for the plan, which runs once the process group is gone
     }
 
 
 def planned_train_peak(
-    shape: dict[str, Any], config: DFlashConfig, args: argparse.Namespace
+    shape: dict[str, Any],
+    config: DFlashConfig,
+    args: argparse.Namespace,
+    layout: Layout,
+    world: int,
 ) -> int:
-    """What `draftline plan` predicts for this step (offline features, bf16) on fake tensors."""
+    """What `draftline plan` predicts for this step per GPU (same layout, world size and
+    features, bf16) on fake tensors, over a fake process group (no real one may exist)."""
     from draftline.drafter import memory
     from draftline.drafter.build import Hyperparameters
 
@@ -290,8 +361,10 @@ def planned_train_peak(
     model = {"name": "gpu_check", "path": "-", "config": shape["config"],
              "target_layer_ids": shape["target_layer_ids"]}  # fmt: skip
     peak = memory.train_step_peak(
-        model, hp, args.train_seq_len, args.train_batch, "bf16", online=False
-    )
+        model, hp, args.train_seq_len, args.train_batch, "bf16",
+        online=args.features == "online", layout=layout, world_size=world,
+        shard_one_process=layout.sharding == "fsdp",
+    )  # fmt: skip
     return peak.peak_bytes
 
 
@@ -300,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
         raise SystemExit("no CUDA GPU visible: run on a GPU node, or pass --tiny for a CPU smoke")
-    device = torch.device("cuda" if cuda else "cpu")
+    # cuda:<local rank> under torchrun (one GPU per process), else the one GPU or the CPU.
+    device = distributed.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     shape_name = "tiny" if args.tiny else args.shape
     shape = shape_of(shape_name, args.layers)
@@ -309,10 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     model = make_target(shape, device, dtype)
     setup_s = time.perf_counter() - began
     extraction = check_extraction(model, shape, args, device)
-    training = check_training(model, shape, args, device)
-    for part in (extraction, training):
+    try:
+        training = check_training(model, shape, args, device)
+    finally:
+        distributed.close()
+    layout = Layout(training["sharding"], training["activation_checkpointing"])
+    training["planned_peak_bytes"] = planned_train_peak(
+        shape, training.pop("drafter_config"), args, layout, training["world_size"]
+    )
+    # Extraction ran on each GPU alone; training's FLOPs are every GPU's together.
+    for part, gpus in ((extraction, 1), (training, training["world_size"])):
         part["achieved_tflops"] = part["flops"] / part["seconds"] / 1e12
-        part["mfu"] = part["flops"] / part["seconds"] / peak if peak else None
+        part["mfu"] = part["flops"] / part["seconds"] / (peak * gpus) if peak else None
     report = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -326,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         "training": training,
         "total_s": time.perf_counter() - began,
     }
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # the figures are already the world's (rank 0 reports them)
     mfu = lambda p: f"{p['mfu']:.1%}" if p["mfu"] is not None else "n/a"  # noqa: E731
     print(f"{report['device']} ({report['shape']}, torch {report['torch']}; peak: {peak_source})")
     print(
@@ -333,14 +419,18 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, {extraction['achieved_tflops']:.1f} TFLOP/s, MFU {mfu(extraction)}"
     )
     print(
-        f"  training:   {training['sequence_tokens_per_s']:,.0f} seq tok/s "
+        f"  training ({training['sharding']} over {training['world_size']}, "
+        f"{training['features']} features"
+        f"{', activation checkpointing' if training['activation_checkpointing'] else ''}): "
+        f"{training['sequence_tokens_per_s']:,.0f} seq tok/s "
         f"({training['block_tokens_per_s']:,.0f} block tok/s), "
         f"{training['achieved_tflops']:.1f} TFLOP/s, MFU {mfu(training)}"
     )
     gib = lambda n: "n/a" if n is None else f"{n / 2**30:.1f} GiB"  # noqa: E731
     print(
         f"  peak GPU memory: extraction {gib(extraction['peak_gpu_bytes'])}, training "
-        f"{gib(training['peak_gpu_bytes'])} (planned {gib(training['planned_peak_bytes'])})"
+        f"{gib(training['peak_gpu_bytes'])} (planned {gib(training['planned_peak_bytes'])}"
+        f"{', ratio ' + ratio if (ratio := _ratio(training)) else ''})"
     )
     if report["hybrid_kernels_missing"]:
         missing = ", ".join(report["hybrid_kernels_missing"])
@@ -349,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _ratio(training: dict[str, Any]) -> str:
+    """Measured peak over the planned one, e.g. `0.93x`; empty without a measurement."""
+    measured, planned = training["peak_gpu_bytes"], training["planned_peak_bytes"]
+    return f"{measured / planned:.2f}x" if measured and planned else ""
 
 
 if __name__ == "__main__":

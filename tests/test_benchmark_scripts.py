@@ -78,4 +78,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     # FLOPs counted by torch on the same work; the plan's fake-tensor peak for the same step.
     assert report["extraction"]["flops"] > 0 and report["training"]["flops"] > 0
     assert report["training"]["planned_peak_bytes"] > 0
+    # The step as the GPU profiles train: FSDP2 (over a one-process group here), online features.
+    assert report["training"]["sharding"] == "fsdp" and report["training"]["world_size"] == 1
+    assert report["training"]["features"] == "online"
     assert report["target_layers"] == 8  # the tiny hybrid: 3 linear + 1 full attention, twice
