@@ -20,7 +20,7 @@ WINDOW = 6  # inside the 40-token inputs, so the window cuts the context
 
 
 def make_drafter(
-    seed: int = 0, layers: int = 2, layer_types: list[str] | None = None
+    seed: int = 0, layers: int = 2, layer_types: list[str] | None = None, causal: bool = False
 ) -> DFlashDrafter:
     torch.manual_seed(seed)
     config = DFlashConfig(
@@ -37,6 +37,7 @@ def make_drafter(
         num_target_layers=4,
         layer_types=layer_types,
         sliding_window=WINDOW if layer_types else None,
+        sliding_causal=causal,
     )
     head = TargetHead(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))
     return DFlashDrafter(config, head).eval()
@@ -97,14 +98,14 @@ def test_block_sees_only_context_before_its_anchor_and_its_own_block():
         assert not torch.allclose(out[row, j, 1:], base[row, j, 1:], atol=1e-3)
 
 
-@pytest.mark.parametrize("layer_types", [None, SLIDING])
+@pytest.mark.parametrize("layer_types, causal", [(None, False), (SLIDING, False), (SLIDING, True)])
 @pytest.mark.parametrize("queries_per_chunk", [4, 8, 512])
-def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk, layer_types):
+def test_blockwise_attention_equals_dense_mask(monkeypatch, queries_per_chunk, layer_types, causal):
     monkeypatch.setattr(dflash, "QUERIES_PER_CHUNK", queries_per_chunk)
     feats, anchor_ids, anchors = inputs()
     results = []
     for implementation in ("blockwise", "dense"):
-        drafter = make_drafter(layer_types=layer_types).train()
+        drafter = make_drafter(layer_types=layer_types, causal=causal).train()
         drafter.attention_implementation = implementation
         x = feats.clone().requires_grad_(True)
         hidden = drafter(x, drafter.block_input_ids(anchor_ids), anchors)
@@ -155,9 +156,9 @@ def test_a_layout_that_does_not_fit_is_refused():
         DFlashConfig(**{**make_drafter().config.__dict__, "layer_types": SLIDING})
 
 
-@pytest.mark.parametrize("layer_types", [None, SLIDING])
-def test_draft_block_matches_the_batched_training_pass(layer_types):
-    drafter = make_drafter(layer_types=layer_types)
+@pytest.mark.parametrize("layer_types, causal", [(None, False), (SLIDING, False), (SLIDING, True)])
+def test_draft_block_matches_the_batched_training_pass(layer_types, causal):
+    drafter = make_drafter(layer_types=layer_types, causal=causal)
     feats, anchor_ids, anchors = inputs()
     with torch.no_grad():
         logits = drafter.logits(drafter(feats, drafter.block_input_ids(anchor_ids), anchors))

@@ -11,11 +11,15 @@ gets `sliding_window=W` for a `sliding_attention` layer (transformers passes a n
 window of (W-1, W-1) keys, aligned bottom-right: keys are the cached context 0..a-1 then the
 block, so a query at position p sees keys at positions p-(W-1)..p+(W-1)); flash-attention does
 not run on a CPU, so the reference spells that window out as a mask for the eager attention.
+SGLang and vLLM serve the same checkpoint with causal sliding layers (SGLang's
+`AttentionType.DECODER`, vLLM's default for `sliding_attention`: the window (W-1, 0)); with
+`sliding_causal` our drafter does that, checked against the same reference with that window.
 Our drafter runs every block of a sequence in one pass with `block_prefix_attention`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,14 +51,21 @@ BLOCK = 8
 TOKENS = 96
 
 
-def flash_window_mask(queries: int, keys: int, window: int | None) -> torch.Tensor | None:
-    """flash-attention's non-causal window (W-1, W-1), queries aligned to the last keys, as an
-    additive mask (transformers applies it only when there are more keys than W)."""
-    if window is None or keys <= window:
-        return None
+def flash_window_mask(
+    queries: int, keys: int, window: int | None, causal: bool
+) -> torch.Tensor | None:
+    """flash-attention's window (W-1, W-1), or (W-1, 0) when causal, queries aligned to the
+    last keys, as an additive mask (transformers applies it only when there are more keys than
+    W; a causal layer is causal whatever the window)."""
     q = torch.arange(queries)[:, None] + keys - queries
     k = torch.arange(keys)[None, :]
+    if window is None or keys <= window:
+        window = keys + 1  # no window
     allowed = (q - k).abs() <= window - 1
+    if causal:
+        allowed &= k <= q
+    elif window > keys:
+        return None
     return torch.zeros(queries, keys).masked_fill(~allowed, float("-inf"))[None, None]
 
 
@@ -81,6 +92,8 @@ class ReferenceAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if sliding else None
+        # z-lab: non-causal everywhere; SGLang and vLLM: sliding layers causal.
+        self.causal = sliding and getattr(config, "is_causal", True)
 
     def forward(self, hidden, target_hidden, cos, sin):
         bsz, q_len = hidden.shape[:-1]
@@ -91,7 +104,7 @@ class ReferenceAttention(nn.Module):
         k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)
         v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        mask = flash_window_mask(q_len, ctx_len + q_len, self.sliding_window)
+        mask = flash_window_mask(q_len, ctx_len + q_len, self.sliding_window, self.causal)
         out, _ = eager_attention_forward(self, q, k, v, mask, scaling=self.scaling)
         return self.o_proj(out.reshape(bsz, q_len, -1))
 
@@ -178,11 +191,27 @@ def test_exported_config_is_read_by_transformers_with_its_layout(twin_case):
     assert config.sliding_window == WINDOW and config.use_sliding_window is True
 
 
+def causal_copy(drafter: DFlashDrafter, folder: Path) -> tuple[DFlashDrafter, Path]:
+    """The same weights with causal sliding layers, exported and loaded back."""
+    config = DFlashConfig(**{**drafter.config.__dict__, "sliding_causal": True})
+    causal = DFlashDrafter(config, drafter.target)
+    causal.load_state_dict(drafter.state_dict())
+    out = export_drafter(causal, folder, torch.float32)
+    return load_drafter(out, drafter.target), out
+
+
 @pytest.mark.parametrize("queries_per_chunk", [8, 512])
+@pytest.mark.parametrize("causal", [False, True], ids=["zlab-bidirectional", "engines-causal"])
 def test_drafter_equals_zlab_reference_with_sliding_layers_on_the_twin(
-    twin_case, monkeypatch, queries_per_chunk
+    twin_case, monkeypatch, tmp_path, queries_per_chunk, causal
 ):
     drafter, folder, features, tokens = twin_case
+    if causal:
+        drafter, folder = causal_copy(drafter, tmp_path / "causal")
+        assert drafter.config.sliding_causal
+        assert "is_causal" not in json.loads((folder / "config.json").read_text())
+    else:
+        assert json.loads((folder / "config.json").read_text())["is_causal"] is False
     monkeypatch.setattr(dflash, "QUERIES_PER_CHUNK", queries_per_chunk)
     reference = ReferenceDraftModel(AutoConfig.from_pretrained(folder))
     weights = {k: v.float() for k, v in drafter.state_dict().items()}
@@ -219,6 +248,22 @@ def test_the_window_matters_and_evaluation_drafts_follow_it(twin_case):
     # Anchor 5 sees only positions 0..4, inside every window: the same either way.
     assert torch.allclose(sliding[0, 0], whole[0, 0], atol=1e-6)
     assert not torch.allclose(sliding[0, 2], whole[0, 2], atol=1e-3)
+    assert torch.equal(drafts, torch.stack(one_by_one))
+
+
+def test_causal_sliding_layers_differ_and_evaluation_drafts_follow_them(twin_case, tmp_path):
+    drafter, _, features, tokens = twin_case
+    causal, _ = causal_copy(drafter, tmp_path / "causal")
+    anchors = torch.tensor([5, 40, 80])
+    with torch.no_grad():
+        ids = drafter.block_input_ids(tokens[anchors])[None]
+        both = (
+            drafter(features[None], ids, anchors[None]),
+            causal(features[None], ids, anchors[None]),
+        )
+        drafts = anchor_drafts(causal, features, tokens, anchors)
+        one_by_one = [causal.draft_block(features[:a], int(tokens[a])) for a in anchors]
+    assert not torch.allclose(both[0], both[1], atol=1e-3)
     assert torch.equal(drafts, torch.stack(one_by_one))
 
 

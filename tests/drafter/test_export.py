@@ -136,6 +136,7 @@ def test_sliding_layout_is_exported_and_read_back(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     assert config["layer_types"] == SLIDING and config["sliding_window"] == WINDOW
     assert config["use_sliding_window"] is True and config["max_window_layers"] == LAYERS
+    assert config["is_causal"] is False  # bidirectional sliding layers: vLLM reads this
     assert AutoConfig.from_pretrained(folder).layer_types == SLIDING
     loaded = load_drafter(folder, drafter.target)
     assert loaded.config == drafter.config
@@ -167,6 +168,8 @@ def test_the_qwen36_profile_exports_the_published_layout() -> None:
     assert config["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert (config["sliding_window"], config["use_sliding_window"]) == (2048, True)
     assert (config["num_hidden_layers"], config["max_window_layers"]) == (5, 5)
+    # Causal sliding layers, as SGLang and vLLM serve this config: nothing to override.
+    assert hp.sliding_causal is True and "is_causal" not in config
     # Targets whose profile names no layout keep full attention everywhere.
     qwen3 = compose(["model=qwen3_8b", "drafter=dflash_b16"], conf)["drafter"]
     assert qwen3["layer_types"] is None and qwen3["sliding_window"] is None

@@ -37,10 +37,12 @@ class Hyperparameters:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
-    # Attention per layer ("full_attention" / "sliding_attention"; None: all full) and the
-    # sliding layers' window: the layout of the target's public drafters (model.dflash).
+    # Attention per layer ("full_attention" / "sliding_attention"; None: all full), the sliding
+    # layers' window and whether they attend causally inside the block: the layout of the
+    # target's public drafters (model.dflash).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    sliding_causal: bool | None = None
 
     @classmethod
     def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
@@ -52,12 +54,13 @@ class Hyperparameters:
         values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
         shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
         layer_types = drafter.get("layer_types")
-        window = drafter.get("sliding_window")
+        window, causal = drafter.get("sliding_window"), drafter.get("sliding_causal")
         return cls(
             **values,
             **shape,
             layer_types=None if layer_types is None else tuple(str(t) for t in layer_types),
             sliding_window=None if window is None else int(window),
+            sliding_causal=None if causal is None else bool(causal),
         )
 
     def shape(self) -> dict[str, Any]:
@@ -69,7 +72,7 @@ class Hyperparameters:
 
 
 SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-LAYOUT_FIELDS = ("layer_types", "sliding_window")
+LAYOUT_FIELDS = ("layer_types", "sliding_window", "sliding_causal")
 _DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
 
 

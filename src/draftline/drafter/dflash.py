@@ -7,7 +7,6 @@ hidden states of K target layers, concatenated per token, fused by `fc` (K*H -> 
 block: `[anchor token, MASK x (B-1)]` at positions a..a+B-1. Each block attends bidirectionally
 to its own B tokens and to context positions strictly before its anchor, never to other blocks;
 a `sliding_attention` layer only to keys within `sliding_window` - 1 positions of the query.
-
 Training runs many blocks per sequence in one pass (`DFlashDrafter.forward` takes N anchors);
 inference is the same call with one block whose anchor is the context length.
 """
@@ -56,9 +55,12 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     attention_bias: bool = False
-    # Per layer "full_attention" (None: all) or "sliding_attention" over `sliding_window` keys.
+    # Per layer "full_attention" (None: all) or "sliding_attention" over `sliding_window` keys;
+    # sliding_causal: a sliding layer's block attends causally to itself (SGLang, vLLM,
+    # SpecForge) rather than bidirectionally (z-lab/dflash model.py).
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    sliding_causal: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,10 +69,7 @@ class DFlashConfig:
             raise ValueError(f"layer_types {kinds}: {self.num_hidden_layers} of {sorted(LAYERS)}")
         if SLIDING in kinds and not (self.sliding_window or 0) > 0:
             raise ValueError("sliding_attention layers need a positive sliding_window")
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of a layer, None for full attention."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+        self.sliding_causal = bool(self.sliding_causal and SLIDING in kinds)
 
     @classmethod
     def from_target(
@@ -87,6 +86,7 @@ class DFlashConfig:
         intermediate_size: int | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        sliding_causal: bool = False,
     ) -> DFlashConfig:
         """Drafter config from the target's (text) `config.json` dict and the drafter's choices.
 
@@ -105,12 +105,8 @@ class DFlashConfig:
         if heads % kv_heads:
             raise ValueError(f"drafter heads {heads} are not a multiple of kv heads {kv_heads}")
         num_target_layers = int(target_config["num_hidden_layers"])
-        bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} are outside the target's {num_target_layers} layers: "
-                "fix model.target_layer_ids"
-            )
+        if bad := [i for i in target_layer_ids if not 0 <= i < num_target_layers]:
+            raise ValueError(f"target_layer_ids {bad}: the target has {num_target_layers} layers")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=num_hidden_layers,
@@ -129,6 +125,7 @@ class DFlashConfig:
             attention_bias=bool(target_config.get("attention_bias", False)),
             layer_types=layer_types,
             sliding_window=sliding_window,
+            sliding_causal=sliding_causal,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -150,6 +147,7 @@ class DFlashConfig:
             "max_window_layers": self.num_hidden_layers,
             "use_sliding_window": sliding,
             "sliding_window": self.sliding_window if sliding else None,
+            **({"is_causal": False} if sliding and not self.sliding_causal else {}),
             "tie_word_embeddings": False,
             "dtype": "bfloat16",
             **self.extra,
@@ -167,6 +165,7 @@ class DFlashConfig:
         flat["rope_theta"] = _rope_theta(data)
         if not data.get("use_sliding_window", True):  # transformers' Qwen3: no window at all
             flat["layer_types"], flat["sliding_window"] = None, None
+        flat["sliding_causal"] = bool(data.get("is_causal", True))  # vLLM's reading
         return cls(**flat)
 
 
@@ -239,9 +238,7 @@ def context_span(
     the first its earliest query sees (0 for full attention). Fake tensors (memory planning,
     `draftline.drafter.memory`) carry no values: the chunk then takes the whole context, the
     worst case, so a planned peak is never below the real one."""
-    if not chunk_anchors.numel():
-        return 0, 0
-    if is_fake(chunk_anchors):
+    if is_fake(chunk_anchors) or not chunk_anchors.numel():
         return 0, context_len
     end = int(chunk_anchors.max().item())
     if sliding_window is None:
@@ -250,26 +247,28 @@ def context_span(
 
 
 def block_mask(
-    anchors: torch.Tensor, context: torch.Tensor, block_size: int, sliding_window: int | None
+    anchors: torch.Tensor, context: torch.Tensor, size: int, window: int | None, causal: bool
 ) -> torch.Tensor:
-    """[b, 1, g*S, C + g*S]: which keys each query of the blocks at `anchors` [b, g] sees.
-
-    Keys: the context positions `context` [C], then each block's S keys. Full attention: the
-    context strictly before the anchor (`<`, never `<=`: the anchor's own state is not there at
-    inference) and the whole own block, nothing of other blocks. Sliding (z-lab/dflash: flash
-    attention's non-causal window (W-1, W-1)): of those, keys within W-1 of the query position.
-    """
+    """[b, 1, g*S, C + g*S]: which keys each query of the blocks of S = `size` tokens at
+    `anchors` [b, g] sees, of the context positions `context` [C] then each block's keys. Full
+    attention: the context strictly before the anchor (`<`, never `<=`: the anchor's own state
+    is not there at inference) and the whole own block, nothing of other blocks. Sliding
+    (`window` W; z-lab/dflash: flash attention's non-causal window (W-1, W-1)): of those, keys
+    within W-1 of the query position; `causal` (SGLang's and vLLM's sliding layers): and of
+    its own block, no key after the query."""
     b, g = anchors.shape
-    offset = torch.arange(block_size, device=anchors.device)
-    query_anchor = anchors.repeat_interleave(block_size, dim=1)[..., None]  # [b, g*S, 1]
+    offset = torch.arange(size, device=anchors.device)
+    query_anchor = anchors.repeat_interleave(size, dim=1)[..., None]  # [b, g*S, 1]
     sees_context = context < query_anchor
-    block_of = torch.arange(g * block_size, device=anchors.device) // block_size
+    block_of = torch.arange(g * size, device=anchors.device) // size
     sees_block = block_of[:, None] == block_of[None, :]
-    if sliding_window is not None:
+    if window is not None:
         query_position = query_anchor + offset.repeat(g)[:, None]
-        sees_context = sees_context & (context > query_position - sliding_window)
-        near = (offset[:, None] - offset[None, :]).abs() < sliding_window
+        sees_context = sees_context & (context > query_position - window)
+        near = (offset[:, None] - offset[None, :]).abs() < window
         sees_block = sees_block & near.repeat(g, g)
+        if causal:
+            sees_block = sees_block & (offset[:, None] >= offset[None, :]).repeat(g, g)
     return torch.cat([sees_context, sees_block.expand(b, -1, -1)], dim=-1)[:, None]
 
 
@@ -285,20 +284,21 @@ def block_prefix_attention(
     queries_per_chunk: int | None = None,
     expand_kv_heads: bool | None = None,
     dense: bool = False,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Each block attends to context keys before its anchor and to its own block's keys.
 
     q: [b, N, S, h, d]; k_block, v_block: [b, N, S, kvh, d]; k_ctx, v_ctx: [b, T, kvh, d];
-    anchors: [b, N], sorted per row; sliding_window: None (full attention) or W (`block_mask`).
+    anchors: [b, N], sorted per row; sliding_window: None (full attention) or W, causal or not
+    (`block_mask`).
     Returns [b, N, S, h, d]. Blocks go in chunks; a chunk's keys are the context its queries
     can see (`context_span`) plus its own blocks' keys, so the cost grows with anchors x
     context, not (anchors x S)^2. dense: one SDPA over [whole context ; all blocks] with a dense
     mask, the SpecForge-style formulation, the reference of tests and benchmarks.
 
-    expand_kv_heads (default: on CUDA): repeat each key/value head for its query heads. On
-    CUDA, SDPA's flash kernel takes no mask and its memory-efficient kernel no grouped-query
-    heads: masked grouped-query attention would fall back to the math kernel, which keeps every
-    chunk's fp32 probabilities for the backward (x2 of a production step's memory).
+    expand_kv_heads (default: on CUDA): repeat each key/value head for its query heads: SDPA's
+    flash kernel takes no mask and its memory-efficient one no grouped-query heads, so masked
+    grouped-query attention would run the math kernel (x2 of a production step's memory).
     """
     b, n, s, h, d = q.shape
     kvh, t = k_block.shape[3], k_ctx.shape[1]
@@ -317,7 +317,7 @@ def block_prefix_attention(
         keys = torch.cat([k_ctx[:, first:last], k_block[:, start:end].reshape(own)], 1)
         values = torch.cat([v_ctx[:, first:last], v_block[:, start:end].reshape(own)], 1)
         positions = torch.arange(first, last, device=q.device)
-        mask = block_mask(chunk_anchors, positions, s, sliding_window)
+        mask = block_mask(chunk_anchors, positions, s, sliding_window, causal)
         if repeats > 1:
             keys = keys.repeat_interleave(repeats, dim=2)
             values = values.repeat_interleave(repeats, dim=2)
@@ -355,7 +355,9 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: DFlashConfig, layer: int) -> None:
         super().__init__()
-        self.sliding_window = config.layer_window(layer)
+        sliding = (config.layer_types or [])[layer] == SLIDING
+        self.sliding_window = config.sliding_window if sliding else None
+        self.causal = sliding and config.sliding_causal
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -381,8 +383,9 @@ class DFlashAttention(nn.Module):
         k_block = apply_rope(k_block, *blocks.rope_block)
         k_ctx = apply_rope(k_ctx, *blocks.rope_context)
         out = blocks.attend(
-            q, k_block, v_block, k_ctx, v_ctx, blocks.anchors, self.scaling, self.sliding_window
-        )
+            q, k_block, v_block, k_ctx, v_ctx, blocks.anchors, self.scaling, self.sliding_window,
+            causal=self.causal,
+        )  # fmt: skip
         return self.o_proj(out.reshape(b, n, s, self.num_heads * self.head_dim))
 
 
@@ -431,10 +434,9 @@ class DFlashDrafter(nn.Module):
             DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # "blockwise" (default) or "dense": the same math, used to check and benchmark.
-        self.attention_implementation = "blockwise"
-        # Key/value heads repeated for the query heads: None is on CUDA only (see
-        # `block_prefix_attention`); memory planning sets it to measure a GPU's step on CPU.
+        self.attention_implementation = "blockwise"  # or "dense": same math, to check with
+        # Key/value heads repeated for the query heads (None: on CUDA; `block_prefix_attention`);
+        # memory planning sets it to measure a GPU's step on CPU.
         self.expand_kv_heads: bool | None = None
         self.reset_parameters()
 
@@ -458,18 +460,15 @@ class DFlashDrafter(nn.Module):
     def forward(
         self, context_features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor
     ) -> torch.Tensor:
-        """Final hidden states of every block.
-
-        context_features: [b, T, K*H], the K target layers' states for positions 0..T-1
-            (`target_layer_ids` order); position t is token t.
+        """Final hidden states of every block. context_features: [b, T, K*H], the K target
+        layers' states for positions 0..T-1 (`target_layer_ids` order); position t is token t.
         block_ids: [b, N, S] long, `[token at anchor, MASK, ...]` (see `block_input_ids`).
         anchors: [b, N] long, sorted per row; block j sits at positions anchors[j] + 0..S-1 and
             sees context positions < anchors[j]. Padding blocks: any anchor, ignored by the loss.
         Returns [b, N, S, H]; `logits(...)` maps them to the vocabulary. Output k of a block
         predicts the token at anchor + k (k = 1..S-1; output 0 is the given anchor token).
         """
-        b, t, _ = context_features.shape
-        s = block_ids.shape[-1]
+        t, s = context_features.shape[1], block_ids.shape[-1]
         context = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
         x = F.embedding(block_ids, self.target.embed_weight).to(context.dtype)
         c = self.config

@@ -51,6 +51,7 @@ SCHEMA: Schema = {
             "intermediate_size": None,
             "layer_types": None,
             "sliding_window": None,
+            "sliding_causal": None,
         },
         "serving": {
             "quantization": None,
@@ -84,6 +85,7 @@ SCHEMA: Schema = {
         "intermediate_size": None,
         "layer_types": None,
         "sliding_window": None,
+        "sliding_causal": None,
         "block_size": None,
         "gamma": None,
         "max_anchors": None,
