@@ -148,7 +148,8 @@ def test_liger_kernel_equals_the_plain_loss_and_the_torch_path():
     results = {}
     for kernel in ("liger", "torch"):
         leaf = hidden.clone().requires_grad_(True)
-        parts = block_loss(leaf, head, labels, weights, kernel=kernel)
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # the production path: bf16 head
+            parts = block_loss(leaf, head, labels, weights, kernel=kernel)
         parts.weighted_ce.backward()
         results[kernel] = (parts.weighted_ce.detach(), parts.correct, leaf.grad)
     plain = hidden.clone().requires_grad_(True)
