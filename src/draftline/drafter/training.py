@@ -234,14 +234,14 @@ def train(
         )
     total_steps = steps_per_epoch * hp.epochs
 
-    head = load_target_head(model).to(device)
-    drafter = build_drafter(model, hp, head).to(device)
-    layer_ids = list(drafter.config.target_layer_ids)
+    layer_ids = [int(i) for i in model["target_layer_ids"]]
     target_lm = None
-    if data.online:
+    if data.online:  # first: the whole target is on the device only until it is sharded
         target_lm = load_online_target(
             model, layer_ids, device, run.precision, run.layout, world.size
         )
+    head = load_target_head(model).to(device)
+    drafter = build_drafter(model, hp, head).to(device)
     # The module the loop calls: the drafter, DDP's wrapper of it, or the drafter sharded.
     trained = sharding.lay_out(drafter, run.layout, world.size, device)
     optimizer = torch.optim.AdamW(
