@@ -62,8 +62,10 @@ MIN_FREE_LEN = 6  # shorter values are scrubbed only as whole words
 MIN_UNNAMED_LEN = 6  # a value whose name says nothing, shorter than this, is no secret
 
 _STOP = "\\s\"'<>"  # characters that end a URL in free text
-URL = re.compile(rf"[A-Za-z][A-Za-z0-9+.-]*://[^{_STOP},]+")  # a comma separates lists of URLs
-URL_USERINFO = re.compile(rf"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@{_STOP}]+)@")
+# A scheme starts after no scheme character and is short: a long run of letters is read once.
+_SCHEME = r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,30}://"
+URL = re.compile(rf"{_SCHEME}[^{_STOP},]+")  # a comma separates lists of URLs
+URL_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?P<userinfo>[^/@{_STOP}]+)@")
 USER_FLAG = re.compile(r"(?:^|\s)(?:-u|--user|--proxy-user)(?:\s+|=)['\"]?([^\s:'\"]+):([^\s'\"]+)")
 SECRET_PAIR = re.compile(  # `password=...` in a DSN or an option string; never a path
     r"(?i)\b[\w.-]*(?:password|passwd|pwd|pass|secret|token|key|auth|cred)\w*\s*=\s*"
