@@ -113,18 +113,13 @@ def lay_out(drafter: nn.Module, layout: Layout, world_size: int, device: torch.d
 
 @contextlib.contextmanager
 def gradient_sync(trained: nn.Module, sync: bool) -> Iterator[None]:
-    """Accumulate this backward's gradients locally unless `sync` (the last micro-batch)."""
-    if sync:
-        yield
-    elif isinstance(trained, nn.parallel.DistributedDataParallel):
+    """DDP: accumulate this backward's gradients locally unless `sync` (the last micro-batch),
+    then all-reduce once. FSDP: reduce-scatter after every micro-batch, so a process only ever
+    holds its 1/N of the gradients (accumulating whole ones would add a full fp32 copy of the
+    drafter per GPU; the reduce-scatter is small beside a micro-batch's compute)."""
+    if not sync and isinstance(trained, nn.parallel.DistributedDataParallel):
         with trained.no_sync():
             yield
-    elif _is_fsdp(trained):
-        trained.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            trained.set_requires_gradient_sync(True)  # type: ignore[operator]
     else:
         yield
 
