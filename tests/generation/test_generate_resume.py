@@ -22,6 +22,7 @@ import yaml
 from helpers.generate_helpers import (
     StandIn,
     build_random_target,
+    generate_here,
     make_workdir,
     run_generate,
     sglang_hardware,
@@ -64,26 +65,34 @@ def turn_keys(table: list[dict]) -> set[str]:
     return {f"{r['id']}#{k}" for r in table for k in range(r["turns"])}
 
 
-def start_and_kill(cwd: Path, at_records: int, timeout: float = 180) -> list[str]:
-    """Run the stage in a subprocess and SIGKILL it once the journal holds `at_records`."""
+def journaled(cwd: Path, shards: int = 1) -> list[str]:
+    """Finished turns in the journals of train shards 0..shards-1."""
+    paths = [cwd / f".draftline/journal/generate/shard-{k}.jsonl" for k in range(shards)]
+    return [key for path in paths if path.exists() for key in journal_ids(path)]
+
+
+def start_and_kill(
+    cwd: Path, at_records: int, timeout: float = 180, shard: int = 0, shards: int = 1
+) -> list[str]:
+    """Run stage `generate@shard` in a subprocess and SIGKILL it once the journals of shards
+    0..shards-1 hold `at_records` finished turns; the turns they hold then."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "draftline", "generate", "--no-progress", "--shard", "0"],
+        [sys.executable, "-m", "draftline", "generate", "--no-progress", "--shard", str(shard)],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    journal = cwd / JOURNAL
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if journal.exists() and len(journal_ids(journal)) >= at_records:
+        if len(journaled(cwd, shards)) >= at_records:
             break
         time.sleep(0.01)
     assert proc.poll() is None, f"stage ended before the kill: {proc.stdout.read().decode()}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (cwd / "data/generated/train/shard-0.parquet").exists()
-    return journal_ids(journal)
+    assert not (cwd / f"data/generated/train/shard-{shard}.parquet").exists()
+    return journaled(cwd, shards)
 
 
 def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
@@ -131,6 +140,101 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
         "sample",
         "dflash_tiny",
     )
+
+
+def tables(cwd: Path, shards: int) -> list[bytes]:
+    return [(cwd / f"data/generated/train/shard-{k}.parquet").read_bytes() for k in range(shards)]
+
+
+def reference_tables(cwd: Path, shards: int) -> list[bytes]:
+    """generate@0, generate@1, ... run one after another, as `dvc repro` runs them (in this
+    process: the reference needs no kill)."""
+    for k in range(shards):
+        generate_here(cwd, "--shard", str(k))
+    return tables(cwd, shards)
+
+
+def test_kill_9_while_working_ahead_loses_and_doubles_nothing(tmp_path, model_dir):
+    """Three shards of 1-4-turn conversations on the SGLang stand-in. Stage 0 works ahead on
+    shards 1 and 2 (`work_ahead_shards: 2`) and is killed at a random point; then stage 0 or 1
+    runs and is killed again; then the stages run in dvc.yaml order. No finished turn is asked
+    again, each journal holds each turn once, stages 1 and 2 find their turns journaled by
+    stage 0, salvage counts them, and every table has the bytes of the old schedule's (rounds,
+    each shard alone)."""
+    from draftline.ops.salvage.node_checks import partial_journals
+
+    alone, ahead = tmp_path / "alone", tmp_path / "ahead"
+    alone.mkdir()
+    ahead.mkdir()
+    server = StandIn(tmp_path, "--delay", "0.005", "--delay-spread", "0.03")
+    hardware = sglang_hardware(server.port, 6)
+    shape = {"n": 40, "shards": 3, "multi_turn": True, "max_new_tokens": 64}
+    make_workdir(alone, model_dir, hardware={**hardware, "generation_schedule": "rounds"}, **shape)
+    make_workdir(ahead, model_dir, hardware={**hardware, "work_ahead_shards": 2}, **shape)
+    rng = random.Random()
+    with server:
+        reference = reference_tables(alone, 3)
+        turns = [sum(pq.read_table(alone / f"data/generated/train/shard-{k}.parquet")
+                     .column("turns").to_pylist()) for k in range(3)]  # fmt: skip
+        total = sum(turns)
+        assert max(turns) < total - 20  # several shards' worth of turns
+
+        done: list[str] = []
+        for shard in (0, rng.choice([0, 1])):
+            # Within what this stage's stream has left (its shard and those after it).
+            left = sum(turns[shard:]) - len(journaled(ahead, 3)) + len(journaled(ahead, shard))
+            at = len(journaled(ahead, 3)) + rng.randint(1, max(1, left // 2))
+            asked = len(server.rids())
+            done_now = start_and_kill(ahead, at, shard=shard, shards=3)
+            asked_after = {r.rsplit("-", 1)[0] for r in server.rids()[asked:]}
+            assert not asked_after & set(done)  # a finished turn is never asked again
+            assert len(done_now) == len(set(done_now))  # no turn journaled twice
+            assert set(done) <= set(done_now)  # and none lost
+            done = done_now
+        # Stage 0 finishes its stream: every turn of shards 0-2 is journaled.
+        proc = run_generate(ahead, "--shard", "0")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "worked ahead on shard-1" in proc.stdout and "worked ahead on shard-2" in proc.stdout
+        assert sorted(journaled(ahead, 3)) == sorted(set(journaled(ahead, 3)))
+        assert len(journaled(ahead, 3)) == turns[1] + turns[2]  # shard 0's journal is gone
+        unfinished = {f.what.split(":")[0]: f.what for f in partial_journals(ahead, set())}
+        assert (
+            f"unfinished shard generate@1: {turns[1]} finished turns"
+            in unfinished["unfinished shard generate@1"]
+        )
+        # Stages 1 and 2 generate nothing: they write their tables from their journals.
+        asked = len(server.rids())
+        for shard in (1, 2):
+            proc = run_generate(ahead, "--shard", str(shard))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert len(server.rids()) == asked
+    assert tables(ahead, 3) == reference
+    assert not any((ahead / ".draftline/journal/generate").glob("*.jsonl"))
+    metrics = json.loads((ahead / "logs/runs/generate/shard-1.json").read_text())
+    assert metrics["generated_turns"] == 0 and metrics["resumed_samples"] == 40
+
+
+def test_kill_9_on_the_local_engine_while_working_ahead(tmp_path, model_dir):
+    """The local engine, two shards, work-ahead on: killed mid-stream, stage 1 runs first (it
+    resumes the turns stage 0 journaled for it), then stage 0; the tables equal those of the
+    stages run alone in the old schedule."""
+    alone, ahead = tmp_path / "alone", tmp_path / "ahead"
+    alone.mkdir()
+    ahead.mkdir()
+    shape = {"n": 10, "shards": 2, "multi_turn": True, "max_new_tokens": 24,
+             "generate": {"guard": False}}  # fmt: skip
+    make_workdir(alone, model_dir, hardware={**LOCAL_CPU, "generation_schedule": "rounds"},
+                 **shape)  # fmt: skip
+    make_workdir(ahead, model_dir, hardware={**LOCAL_CPU, "work_ahead_shards": 1}, **shape)
+    reference = reference_tables(alone, 2)
+    done = start_and_kill(ahead, random.Random().randint(4, 16), shards=2)
+    for shard in (1, 0):  # stage 1 first: its journal holds what stage 0 did ahead
+        proc = run_generate(ahead, "--shard", str(shard))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = pq.read_table(ahead / "data/generated/train/shard-1.parquet").to_pylist()
+    metrics = json.loads((ahead / "logs/runs/generate/shard-1.json").read_text())
+    assert metrics["generated_turns"] == len(turn_keys(table) - set(done))
+    assert tables(ahead, 2) == reference
 
 
 def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):
@@ -311,10 +415,10 @@ def test_a_bundled_multi_turn_conversation_resumes_mid_conversation_to_the_same_
         work.mkdir()
         ids = make_workdir(work, model_dir, hardware=LOCAL_CPU, max_new_tokens=128,
                            messages=conversations, generate={"guard": False})  # fmt: skip
-        if kill:  # every conversation has a first turn; some have their second: mid-way
+        if kill:  # some conversations have their second turn, none all of them: mid-way
             done_before = start_and_kill(work, len(ids) + 2)
-            assert {k.rpartition("#")[0] for k in done_before} == set(ids)
             assert any(k.endswith("#1") for k in done_before)
+            assert len(done_before) < 3 * len(ids)  # each has three turns or more
         proc = run_generate(work, "--shard", "0")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         tables.append(pq.read_table(work / "data/generated/train/shard-0.parquet"))

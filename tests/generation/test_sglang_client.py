@@ -9,6 +9,7 @@ connections, slow answers and a server that dies mid-shard.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import pytest
@@ -202,3 +203,80 @@ def test_endpoints_from_env_config_or_profile(monkeypatch):
     ]
     monkeypatch.setenv("DRAFTLINE_SGLANG_ENDPOINTS", "http://a:1, http://b:2")
     assert resolve_endpoints(["ignored:1"], "h", 1) == ["http://a:1", "http://b:2"]
+
+
+class Chat:
+    """A multi-turn conversation for the scheduler: each turn's prompt holds the answers."""
+
+    def __init__(self, name: str, turns: int) -> None:
+        self.id, self.turns, self.done = name, turns, 0
+        self.order, self.group = (0, name), 0
+        self.prompt = [1, 7 + len(name), 8 + turns, 2]
+
+    def remaining_turns(self) -> int:
+        return self.turns - self.done
+
+    def next_request(self) -> Request:
+        return Request(f"{self.id}#{self.done}", list(self.prompt))
+
+    def answered(self, result: Result) -> None:
+        assert result.finish_reason == "stop" and result.id == f"{self.id}#{self.done}"
+        self.prompt += [*result.completion_ids, 1, 9 + self.done, 2]  # the next user turn
+        self.done += 1
+
+
+def server_in_flight(timing: str, prefix: str, limit: int) -> float:
+    """Mean requests the server had open during a run (its requests: `prefix`) while at least
+    `limit` conversations had turns left: from its first request to the answer that left fewer
+    (after that no schedule can fill `limit` slots)."""
+    rows = [line.split() for line in timing.splitlines()]
+    spans = [(float(start), float(end)) for start, end, rid in rows if rid.startswith(prefix)]
+    finished: dict[str, float] = {}  # conversation -> its last answer
+    for _, end, rid in rows:
+        if rid.startswith(prefix):
+            conversation = rid.rsplit("#", 1)[0]
+            finished[conversation] = max(finished.get(conversation, 0.0), float(end))
+    begin, until = min(s for s, _ in spans), sorted(finished.values())[len(finished) - limit]
+    covered = sum(max(0.0, min(end, until) - max(start, begin)) for start, end in spans)
+    return covered / (until - begin)
+
+
+def test_in_flight_requests_stay_at_the_limit_during_a_multi_turn_run(tmp_path):
+    """Turns of 1-5-turn conversations answered in 50-300 ms (a function of the prompt): the
+    continuous schedule keeps the server at the client's limit while any conversation is left
+    to start, which the rounds schedule (turn k of every conversation, wait for all, then turn
+    k+1) does not."""
+    from draftline.generation.schedule import Scheduler
+
+    limit, timing = 8, tmp_path / "timing.log"
+    mean = {}
+    with StandIn(tmp_path, "--delay", "0.05", "--delay-spread", "0.25",
+                 "--timing-log", str(timing)) as s:  # fmt: skip
+        for schedule in ("rounds", "continuous"):
+            chats = [Chat(f"{schedule}-{i:02d}", 1 + i * 7 % 5) for i in range(32)]
+            eng = engine(s.url, max_in_flight=limit)
+            peak = 0
+
+            def on_result(work: Chat, result: Result, eng=eng) -> None:
+                nonlocal peak
+                peak = max(peak, sum(eng.in_flight.values()))
+                work.answered(result)
+
+            scheduler = Scheduler(eng, on_result, schedule=schedule)
+            scheduler.run(chats)
+            eng.close()
+            assert all(c.done == c.turns for c in chats)
+            assert peak <= limit and scheduler.peak_in_flight <= (limit if schedule != "rounds"
+                                                                   else 32)  # fmt: skip
+            mean[schedule] = server_in_flight(timing.read_text(), f"{schedule}-", limit)
+    # At the limit but for the moments between an answer and the next turn's arrival.
+    assert mean["continuous"] >= 0.85 * limit, mean
+    assert mean["rounds"] < mean["continuous"] - 0.5, mean
+
+
+def test_priorities_are_sent_only_to_servers_that_schedule_by_them():
+    request = Request("c#0", [1, 2, 3], priority=4)
+    plain = json.loads(engine("http://127.0.0.1:1")._payload(request, 0))
+    assert "priority" not in plain  # an older server would reject the field
+    ordered = json.loads(engine("http://127.0.0.1:1", priorities=True)._payload(request, 0))
+    assert ordered["priority"] == 4 and ordered["rid"] == "c#0-0"

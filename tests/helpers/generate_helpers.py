@@ -75,6 +75,23 @@ def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
     return out
 
 
+def multi_turn_conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """`n` conversations with 1 to 4 assistant turns for the target to write (the dataset's
+    answers are replaced; the last user message is answered too)."""
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sum", "list", "sort", "why", "how"]
+    out = []
+    for i in range(n):
+        turns = 1 + (i * 5 + seed) % 4
+        msgs: list[dict[str, str]] = []
+        for k in range(turns):
+            text = " ".join(words[(i * 3 + k * 7 + j * (seed + 2)) % len(words)] for j in range(4))
+            msgs.append({"role": "user", "content": f"s{seed} q{i}.{k}: {text}?"})
+            if k < turns - 1:
+                msgs.append({"role": "assistant", "content": f"answer {k}"})
+        out.append(msgs)
+    return out
+
+
 def write_curated(
     path: Path,
     n: int,
@@ -117,9 +134,25 @@ def make_workdir(
     quality: dict[str, Any] | None = None,
     max_new_tokens: int = 12,
     messages: list[list[dict[str, Any]]] | None = None,
+    shards: int = 1,
+    multi_turn: bool = False,
 ) -> list[str]:
-    """A folder laid out like the repository for one generate stage; returns shard 0's ids."""
-    ids = write_curated(root / "data/curated/train/shard-0.parquet", n, messages=messages)
+    """A folder laid out like the repository for the generate stages of `shards` train shards
+    (`messages` for shard 0, else `n` made-up conversations each: `multi_turn` ones with 1 to 4
+    turns); returns shard 0's ids."""
+    written = [
+        write_curated(
+            root / f"data/curated/train/shard-{k}.parquet",
+            n,
+            shard=k,
+            messages=messages
+            if messages is not None and k == 0
+            else multi_turn_conversations(n, seed=k)
+            if multi_turn
+            else conversations(n, seed=k),
+        )
+        for k in range(shards)
+    ]
     write_curated(root / "data/curated/eval.parquet", 6, seed=5, shard=-1)
     params = {
         "model": {
@@ -130,7 +163,7 @@ def make_workdir(
             "chat_template_kwargs": {"enable_thinking": True},
             "max_new_tokens": max_new_tokens,
         },
-        "data": {"name": "sample", "num_shards": 1, "shard_ids": [0]},
+        "data": {"name": "sample", "num_shards": shards, "shard_ids": list(range(shards))},
         "drafter": {"name": "dflash_tiny"},
         "hardware": hardware
         or {
@@ -162,7 +195,7 @@ def make_workdir(
         },
     }
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    return ids
+    return written[0]
 
 
 def sglang_hardware(port: int, max_in_flight: int = 8) -> dict[str, Any]:
@@ -242,6 +275,18 @@ class StandIn:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def generate_here(cwd: Path, *args: str) -> None:
+    """The generate stage in this process (no interpreter to start: for reference runs)."""
+    from draftline import cli
+
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert cli.main(["generate", "--no-progress", *args]) == 0
+    finally:
+        os.chdir(before)
 
 
 def run_generate(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240):

@@ -20,9 +20,12 @@ resume is identical. `--mode` shapes completions: `think` (`<think> t.. </think>
 `--think-tokens N` makes every think block N tokens long (realistic response sizes).
 
 Faults, for the fault tests: `--p500` / `--p429` (share of requests answered 500 / 429),
-`--pdrop` (share whose connection is closed without an answer), `--delay` (seconds per answer),
+`--pdrop` (share whose connection is closed without an answer), `--delay` (seconds per answer;
+`--delay-spread S` adds up to S more, a function of the prompt, so answers take unequal times),
 `--die-after N` (the process exits abruptly after N answers). `--log FILE` appends every received
-`rid` (flushed), so tests count what was generated. `--argv-log FILE` records the command line.
+`rid` (flushed), so tests count what was generated; `--timing-log FILE` appends `<arrived>
+<answered> <rid>` (monotonic seconds) per answer, so tests measure how many requests the server
+had in flight. `--argv-log FILE` records the command line.
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class StandIn:
         self.ready_at = time.monotonic() + opts.startup_delay
         self.answers = 0
         self.log = open(opts.log, "a", encoding="utf-8") if opts.log else None  # noqa: SIM115
+        self.timing = (
+            open(opts.timing_log, "a", encoding="utf-8")  # noqa: SIM115
+            if opts.timing_log
+            else None
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         if time.monotonic() < self.ready_at:
@@ -105,8 +113,9 @@ class StandIn:
             assert request.transport is not None
             request.transport.close()  # the client sees the connection drop mid-request
             return web.Response(status=500)
-        if o.delay:
-            await asyncio.sleep(o.delay)
+        if o.delay or o.delay_spread:
+            spread = hashlib.sha256(json.dumps(ids).encode()).digest()[2] / 255 * o.delay_spread
+            await asyncio.sleep(o.delay + spread)
         batch = ids and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
@@ -134,6 +143,9 @@ class StandIn:
         for answer in answers:
             answer["meta_info"]["e2e_latency"] = time.monotonic() - started
         self.answers += 1
+        if self.timing:
+            self.timing.write(f"{started:.6f} {time.monotonic():.6f} {rid}\n")
+            self.timing.flush()
         if o.die_after and self.answers > o.die_after:
             os._exit(1)  # the server dies abruptly, mid-shard
         return web.json_response(answers if batch else answers[0], dumps=_dumps)
@@ -157,10 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p429", type=float, default=0.0)
     p.add_argument("--pdrop", type=float, default=0.0)
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--delay-spread", type=float, default=0.0)
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--startup-delay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None)
+    p.add_argument("--timing-log", default=None)
     p.add_argument("--argv-log", default=None)
     p.add_argument("--step-s", type=float, default=0.0, help="seconds per target forward")
     p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")

@@ -79,21 +79,58 @@ def run_metrics(tmp_path: Path) -> Path:
     return root
 
 
-# The seed's arithmetic: 914K samples x ~2,500 output tokens at the seed node's 1,600 tok/s.
+# The seed's arithmetic: 914K conversations x 3 turns x ~2,500 output tokens at the profile's
+# generate rate, every turn's prompt prefilled at its extract rate, over the schedule's measured
+# utilisation (the seed node's 1,600 tok/s; B200 22,500).
+SEED_PREFILL = 3 * 500 + 600 * 3 * 2  # turns x prompt + history x turns(turns - 1)
+UTILISATION = planning.SCHEDULE_UTILISATION["work_ahead"][0]
+
+
+def seed_generate_s(rate: float, extract_rate: float) -> float:
+    return (914_000 * 3 * 2_500 / rate + 914_000 * SEED_PREFILL / extract_rate) / UTILISATION
 
 
 def test_seed_generation_days_on_pro6000_and_b200(seed_plan):
     pro = seed_plan["profiles"]["pro6000x4"]["stages"]["generate"]
-    # 914K x 2,500 / 1,600 tok/s.
-    assert pro["seconds"] == pytest.approx(914_000 * 2_500 / 1_600)
-    assert round(pro["days"], 1) == 16.5
+    assert pro["seconds"] == pytest.approx(seed_generate_s(1_600, 11_000))
+    assert round(pro["days"], 1) == 55.3
     assert pro["over_limit"] is True
     b200 = seed_plan["profiles"]["b200x8"]["stages"]["generate"]
     low, high = b200["range_days"]
-    assert (round(low, 2), round(high, 2)) == (0.88, 1.76)
-    assert (round(low, 1), round(high, 1)) == (0.9, 1.8)
-    assert b200["days"] == pytest.approx(914_000 * 2_500 / 22_500 / 86_400)
+    assert (round(low, 2), round(high, 2)) == (3.23, 5.92)
+    assert b200["days"] == pytest.approx(seed_generate_s(22_500, 100_000) / 86_400)
+    assert round(b200["days"], 2) == 4.13
     assert b200["over_limit"] is False
+
+
+def test_generation_counts_turns_prefill_and_the_schedule(seed_params, seed_plan, profiles):
+    """Per turn, prefill included, over the utilisation the scheduler measured, named."""
+    gen = seed_plan["generation"]
+    assert gen["turns"] == {"value": 3.0, "source": "conf/data/sharegpt.yaml estimate.turns",
+                            "kind": "estimate"}  # fmt: skip
+    assert gen["prefill_tokens"]["value"] == SEED_PREFILL == 5_100
+    assert "history_tokens (600)" in gen["prefill_tokens"]["source"]
+    b200 = seed_plan["profiles"]["b200x8"]["stages"]["generate"]
+    assert b200["utilisation"]["value"] == UTILISATION >= 0.95
+    assert "benchmarks/generation_schedule.py" in b200["utilisation"]["source"]
+    assert b200["output_tokens"] == 914_000 * 3 * 2_500
+    assert b200["prefill_s"] == pytest.approx(914_000 * SEED_PREFILL / 100_000)
+    # A profile that does not work ahead has each shard's end idle: a lower utilisation.
+    alone = {name: {k: v for k, v in p.items() if k != "work_ahead_shards"}
+             for name, p in profiles.items()}  # fmt: skip
+    slower = planning.build_plan(seed_params, alone, {}, **SEED_SIZES)
+    u = slower["profiles"]["b200x8"]["stages"]["generate"]["utilisation"]
+    assert u["value"] == planning.SCHEDULE_UTILISATION["alone"][0] < UTILISATION
+    # The final answer only: one turn, one prompt.
+    last = {**seed_params, "data": {**seed_params["data"], "regenerate_turns": "last"}}
+    one = planning.build_plan(last, profiles, {}, **SEED_SIZES)
+    assert (one["generation"]["turns"]["value"], one["generation"]["prefill_tokens"]["value"]) == (
+        1.0,
+        500,
+    )
+    assert one["profiles"]["b200x8"]["stages"]["generate"]["seconds"] == pytest.approx(
+        (914_000 * 2_500 / 22_500 + 914_000 * 500 / 100_000) / UTILISATION
+    )
 
 
 def test_seed_offline_features_are_about_140_tb(seed_params, seed_plan):
@@ -199,7 +236,7 @@ def test_cli_rejects_meaningless_inputs(flag, error, capsys):
 
 def test_time_flags_fire_per_stage_and_profile(seed_plan):
     timed = {(f["profile"], f["stage"]) for f in seed_plan["flags"] if f["kind"] == "time"}
-    # pro6000x4: generation 16.5 d, offline training 19.0 d, online 36.3 d (7-day limit).
+    # pro6000x4: generation 55.3 d, offline training 19.0 d, online 36.3 d (7-day limit).
     assert timed == {
         ("pro6000x4", "generate"),
         ("pro6000x4", "train_offline"),
@@ -207,8 +244,9 @@ def test_time_flags_fire_per_stage_and_profile(seed_plan):
     }
     recs = [r for r in seed_plan["recommendations"] if r["kind"] == "generate_time"]
     assert len(recs) == 1 and recs[0]["profile"] == "pro6000x4"
-    # 7 days x 1,600 tok/s / 2,500 tokens per sample.
-    assert recs[0]["samples"] == math.floor(7 * 86_400 * 1_600 / 2_500)
+    # 7 days over the time each conversation takes on the PRO 6000.
+    per_sample = seed_generate_s(1_600, 11_000) / 914_000
+    assert recs[0]["samples"] == math.floor(7 * 86_400 / per_sample)
     assert "b200x8" in recs[0]["message"]
     epochs = {
         r["stage"]: r["epochs"] for r in seed_plan["recommendations"] if r["kind"] == "train_time"
@@ -222,11 +260,11 @@ def test_flags_follow_the_limits(seed_params, profiles):
     )
     assert loose["flags"] == [] and loose["recommendations"] == []
     assert loose["storage"]["over_budget"] is False
-    # 16.53 days of generation: over a 16-day limit, within a 17-day one.
-    at16 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=16)
-    at17 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=17)
-    assert at16["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is True
-    assert at17["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is False
+    # 55.3 days of generation: over a 55-day limit, within a 56-day one.
+    at55 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=55)
+    at56 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=56)
+    assert at55["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is True
+    assert at56["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is False
 
 
 def test_small_subset_fits_everything(seed_params, profiles):
@@ -294,7 +332,10 @@ def test_measured_metrics_replace_estimates_for_their_profile(run_metrics, seed_
     # 800,000 tokens in 400 s; the Qwen3-8B shard is ignored.
     assert (gen["value"], gen["kind"]) == (2000, "measured")
     assert "2 files" in gen["source"] and "shard-00000.json" in gen["source"]
-    assert b200["stages"]["generate"]["seconds"] == pytest.approx(1000 * 800 / 2000)
+    # A measured rate (output tokens over wall time) has prefill and idle slots in it; the
+    # turns are the data profile's (the shards did not record theirs).
+    assert b200["stages"]["generate"]["seconds"] == pytest.approx(1000 * 3 * 800 / 2000)
+    assert b200["stages"]["generate"]["utilisation"] is None
     assert b200["stages"]["extract"]["seconds"] == pytest.approx(990 * 1000 / 5000)
     extract = b200["throughput"]["extract_tok_s"]
     assert (
@@ -334,12 +375,13 @@ def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, pr
     assert cpu["throughput"]["generate_tok_s"]["value"] == 96.0
     assert plan["inputs"]["completion_tokens"]["value"] == 96.0  # 3,456 / 36
     assert plan["inputs"]["prompt_tokens"]["value"] == 100.0  # 3,600 / 36
-    assert cpu["stages"]["generate"]["seconds"] == pytest.approx(40 * 96 / 96)
+    turns = composed["data"]["estimate"]["turns"]
+    assert cpu["stages"]["generate"]["seconds"] == pytest.approx(40 * turns * 96 / 96)
     assert cpu["throughput"]["train_online_tok_s"]["kind"] == "measured"
     assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(epochs * 36 * 196 / 1500)
     # Offline needs extraction, which nobody measured on a CPU.
     assert cpu["total"]["offline"]["seconds"] is None
-    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 + epochs * 36 * 196 / 1500)
+    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 * turns + epochs * 36 * 196 / 1500)
 
 
 def test_broken_or_partial_metrics_fall_back_with_notes(tmp_path, seed_params, profiles):
@@ -407,12 +449,15 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         assert set(prof["stages"]) == set(planning.STAGES)
         assert set(prof["total"]) == {"offline", "online"}
         for stage in prof["stages"].values():
-            assert set(stage) == {"seconds", "days", "range_days", "over_limit", "source"}
-    # 140 TB fits 150 TB; only the 36-day online training on the PRO 6000 exceeds 20 days; it
-    # fits a PRO 6000, the target sharded over the node's GPUs beside the drafter.
+            assert set(stage) >= {"seconds", "days", "range_days", "over_limit", "source"}
+        assert {"output_tokens", "prefill_tokens", "utilisation"} <= set(prof["stages"]["generate"])
+    # 140 TB fits 150 TB; only the 55-day generation and the 36-day online training on the
+    # PRO 6000 exceed 20 days; it fits a PRO 6000, the target sharded over the node's GPUs.
     assert [(f["kind"], f["profile"], f["stage"]) for f in out["flags"]] == [
+        ("time", "pro6000x4", "generate"),
         ("time", "pro6000x4", "train_online"),
     ]
+    assert out["generation"]["turns"]["value"] == 3.0
     assert out["profiles"]["cpu"]["memory"]["stages"] == {}
     for name in ("pro6000x4", "b200x8"):
         memory = out["profiles"][name]["memory"]
@@ -482,8 +527,12 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "16.53 d !" in out  # pro6000x4 generation, over the limit
-    assert "1.18 d (0.88–1.76)" in out  # b200x8 generation and its range
+    assert "55.32 d !" in out  # pro6000x4 generation, over the limit
+    assert "4.13 d (3.23–5.92)" in out  # b200x8 generation and its range
+    # The one line that says how generation was counted and the utilisation it assumed.
+    assert "Generation per turn: 3.00 turns per conversation" in out
+    assert f"utilisation assumed: b200x8 {UTILISATION:.3f}" in out
+    assert "benchmarks/generation_schedule.py" in out
     assert "140.1 TB" in out and "over budget" in out
     assert "FLAG" in out and "RECOMMEND" in out and "extract.features=online" in out
     # Online training fits the PRO 6000 too, the target sharded over its four GPUs.
@@ -660,7 +709,9 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
         for _ in range(6)
     ]  # fmt: skip
     shard = shard_metrics(rows, Counter(stop=6), 6, 7200, 3.6)
-    shard.update({"wall_s": 3.6, **SEED_RUN, "hardware_profile": "b200x8"})
+    # What run_shard adds: every turn and every turn's prompt (9 turns over 6 conversations).
+    shard.update({"wall_s": 3.6, **SEED_RUN, "hardware_profile": "b200x8", "turns": 9,
+                  "turn_prompt_tokens": 9 * 250})  # fmt: skip
     atomic.write_json(root / "generate" / "shard-00000.json", shard)
     metrics, notes = plan_cmd.read_metrics(root)
     plan = planning.build_plan(seed_params, profiles, metrics)
@@ -670,6 +721,9 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
     assert inputs["prompt_tokens"]["value"] == 300
     assert inputs["completion_tokens"]["value"] == 1200  # 7,200 / 6 from the shard
     assert plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]["value"] == 2000
+    gen = plan["generation"]
+    assert (gen["turns"]["value"], gen["turns"]["kind"]) == (1.5, "measured")
+    assert (gen["prefill_tokens"]["value"], gen["prefill_tokens"]["kind"]) == (375, "measured")
 
 
 def test_a_run_log_of_another_run_is_not_merged(capsys, conf, run_metrics, tmp_path):

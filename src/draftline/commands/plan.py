@@ -304,6 +304,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print(
         _by_profile(f"Wall time per stage (! over the {limit:g}-day limit)", profiles, rows)
     )
+    console.print(generation_line(plan))
 
     console.print("[bold]Throughput[/] (tokens/s)")
     for p in profiles:
@@ -312,6 +313,26 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             console.print(f"  {what}: [bold]{_rate(figure)}[/] [dim]({figure['source']})[/]")
     _print_memory(console, plan)
     _print_advice(console, plan)
+
+
+def generation_line(plan: dict[str, Any]) -> str:
+    """How generation was counted: turns, prefill and the schedule's utilisation assumed."""
+    g = plan["generation"]
+    assumed = {
+        p["name"]: p["stages"]["generate"]["utilisation"]
+        for p in plan["profiles"].values()
+        if p["stages"]["generate"].get("utilisation")
+    }
+    text = (
+        f"[bold]Generation[/] per turn: {g['turns']['value']:.2f} turns per conversation "
+        f"[dim]({g['turns']['source']})[/], {g['prefill_tokens']['value']:,.0f} prompt tokens "
+        "prefilled each"
+    )
+    if assumed:
+        figures = ", ".join(f"{name} {u['value']:.3f}" for name, u in assumed.items())
+        sources = dict.fromkeys(u["source"] for u in assumed.values())
+        text += f"; utilisation assumed: {figures} [dim]({'; '.join(sources)})[/]"
+    return text
 
 
 def _by_profile(

@@ -6,10 +6,15 @@ sample reported finished survives `kill -9` and a node losing power. A torn last
 process died mid-write) is cut off when the journal is opened again. The journal lives under
 `.draftline/journal/`, never inside a DVC output, and is removed once the shard's output is in
 place.
+
+One process appends to a journal at a time: `lock` holds `<journal>.lock` (an `flock`, which
+the kernel releases when the process ends, `kill -9` included). A generate stage working ahead
+on the next shards takes theirs, and skips a shard another run holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +34,26 @@ class Journal:
         self.discarded: Path | None = None  # where a journal of another run was moved
         self.wall_s = 0.0  # generation time recorded by previous runs
         self._file: Any = None
+        self._lock: Any = None
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_suffix(".lock")
+
+    def lock(self, wait: bool = True) -> bool:
+        """Hold the journal for this process until `close`; False when another process holds it
+        and `wait` is False."""
+        if self._lock is not None:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.lock_path, "ab")  # noqa: SIM115 - held until close
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return False
+        self._lock = handle
+        return True
 
     def open(self) -> dict[str, Result]:
         """Read what a previous run finished (latest record per id) and open for appending.
@@ -68,10 +93,16 @@ class Journal:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def remove(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)  # before the lock goes: no other run opens it half-gone
         self.close()
-        self.path.unlink(missing_ok=True)
 
     def _write(self, objs: Iterable[dict[str, Any]]) -> None:
         data = b"".join(orjson.dumps(o) + b"\n" for o in objs)

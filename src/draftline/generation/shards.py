@@ -3,19 +3,27 @@
 Every assistant turn is written by the target, in order (`draftline.generation.turns`); prompt
 ids come from the target's own chat template with the earlier answers spliced in as the engine's
 ids (`draftline.core.turn_prompts`), and completion ids are stored exactly as the engine returned
-them. Every finished turn goes to the journal first, so a rerun after any kill generates only
-what is missing, mid-conversation included; the shard's table is written once, complete and
-sorted by id, under a temporary name and renamed into place. Failed conversations are kept as
-`error` rows; the shard fails when their share passes `generate.max_error_share` (a failed turn
-is generated again on the next run). Knows nothing of DVC.
+them. The scheduler (`draftline.generation.schedule`) keeps the engine full: a conversation's
+next turn is submitted the moment its last one is journaled. Every finished turn goes to the
+journal first, so a rerun after any kill generates only what is missing, mid-conversation
+included; the shard's table is written once, complete and sorted by id, under a temporary name
+and renamed into place. Failed conversations are kept as `error` rows; the shard fails when
+their share passes `generate.max_error_share` (a failed turn is generated again on the next run).
+
+Working ahead (`ahead`): the conversations of the following shards join the same stream, so the
+end of this shard does not leave the engine idle; their results go to their own journals (never
+to their outputs), and their own stages later resume from those journals, generating only what
+is still missing: their tables are the same bytes as if they had run alone. Knows nothing of DVC.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +35,10 @@ from draftline.core import target
 from draftline.core.loss_mask import SpecialIds
 from draftline.core.turn_prompts import regenerated_turns
 from draftline.data.conversations import messages_from_records
-from draftline.generation.engines.base import Engine, Request, Result, Sampling
+from draftline.generation.engines.base import Engine, NoResult, Request, Result, Sampling
 from draftline.generation.guard import Guard
 from draftline.generation.journal import Journal
+from draftline.generation.schedule import Scheduler
 from draftline.generation.turns import Conversation, conversation_row, split_key, turn_row
 from draftline.runtime import atomic
 
@@ -123,6 +132,119 @@ def labelled_row(row: dict[str, Any], tokenizer: Any, labels: dict[str, str]) ->
     }
 
 
+@dataclass
+class _Shard:
+    """A shard in a stream: its conversations, journal and counts for this run."""
+
+    paths: ShardPaths
+    position: int  # 0: the stage's own shard; 1, 2, ...: the shards it works ahead on
+    conversations: dict[str, Conversation]
+    journal: Journal
+    prior_wall: float  # generation time earlier runs recorded in the journal
+    resumed_turns: int
+    resumed: int  # conversations complete before this run
+    failed: dict[str, Result] = field(default_factory=dict)
+    generated_turns: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def own(self) -> bool:
+        return self.position == 0
+
+    def remaining_turns(self) -> int:
+        return sum(
+            c.remaining_turns() for i, c in self.conversations.items() if i not in self.failed
+        )
+
+
+class _Turns:
+    """A conversation of a shard as the scheduler's `Work`."""
+
+    __slots__ = ("shard", "conversation", "order", "group", "_tokenizer", "_special", "_lost")
+
+    def __init__(
+        self,
+        shard: _Shard,
+        conversation: Conversation,
+        tokenizer: Any,
+        special: SpecialIds,
+        lost: Any,
+    ) -> None:
+        self.shard = shard
+        self.conversation: Conversation | None = conversation
+        self.order = (shard.position, conversation.id)
+        self.group = shard.paths.name
+        self._tokenizer = tokenizer
+        self._special = special
+        self._lost = lost
+
+    def remaining_turns(self) -> int:
+        c = self.conversation
+        return 0 if c is None or c.id in self.shard.failed else c.remaining_turns()
+
+    def next_request(self) -> Request | None:
+        assert self.conversation is not None
+        asked = self.conversation.next_request(self._tokenizer, self._special)
+        if isinstance(asked, Result):  # its prompt cannot be built: the conversation fails
+            self.shard.failed[self.conversation.id] = asked
+            self._lost(self, split_key(asked.id)[1] - 1)  # type: ignore[index]
+            return None
+        return asked
+
+
+def _open_shard(
+    paths: ShardPaths,
+    position: int,
+    identity: Identity,
+    tokenizer: Any,
+    special: SpecialIds,
+    guard: Guard | None,
+) -> _Shard | None:
+    """A shard with its journal locked and resumed; None for a shard worked ahead on whose
+    journal another run holds (the stage's own shard waits for it)."""
+    journal = Journal(paths.journal, identity.as_dict())
+    if not journal.lock(wait=False):
+        if position:
+            return None
+        print(f"{paths.name}: another generate run holds {paths.journal}; waiting for it")
+        journal.lock(wait=True)
+    try:
+        conversations = {
+            r["id"]: Conversation(
+                r["id"],
+                messages := messages_from_records(r["messages"]),
+                regenerated_turns(messages, identity.regenerate_turns),
+                identity.kwargs_for(r["id"]),
+            )
+            for r in read_curated(paths.curated)
+        }
+        journaled: dict[str, dict[int, Result]] = {}
+        for key, result in journal.open().items():
+            if (parts := split_key(key)) and parts[0] in conversations:
+                journaled.setdefault(parts[0], {})[parts[1]] = result
+    except BaseException:
+        journal.close()
+        raise
+    if journal.discarded:
+        print(
+            f"{paths.name}: journal of another model, chat template or sampling moved to "
+            f"{journal.discarded}"
+        )
+    resumed_turns = 0
+    for conversation_id, turns in journaled.items():
+        conversation = conversations[conversation_id]
+        conversation.resume(turns)
+        resumed_turns += len(conversation.results)
+        if guard and not position:
+            for k, result in enumerate(conversation.results):
+                prompt = conversation.prompt(tokenizer, special, k).ids
+                guard.observe(turn_row(prompt, result, special, conversation.thinking))
+    resumed = sum(c.done() for c in conversations.values())
+    if position:  # its own stage writes its rows: keep only what is still to generate
+        conversations = {i: c for i, c in conversations.items() if not c.done()}
+    return _Shard(paths, position, conversations, journal, journal.wall_s, resumed_turns, resumed)
+
+
 def run_shard(
     paths: ShardPaths,
     engine: Engine,
@@ -134,102 +256,101 @@ def run_shard(
     max_error_share: float,
     extra_metrics: dict[str, Any] | None = None,
     progress: bool = True,
+    ahead: Sequence[ShardPaths] | Callable[[], Sequence[ShardPaths]] = (),
+    schedule: str = "continuous",
 ) -> dict[str, Any]:
-    """Generate every turn of the shard's conversations not yet in the journal, in rounds (turn
-    k of every conversation that needs one), then write the table and the run log."""
+    """Generate every turn of the shard's conversations not yet in the journal, then write the
+    table and the run log. With turns left and `ahead` shards (or a function giving them,
+    called only then), their turns join the stream (`draftline.generation.schedule`) and are
+    journaled in their own journals; a shard whose journal another run holds is left out."""
     from tqdm import tqdm
 
-    conversations = {
-        r["id"]: Conversation(
-            r["id"],
-            messages := messages_from_records(r["messages"]),
-            regenerated_turns(messages, identity.regenerate_turns),
-            identity.kwargs_for(r["id"]),
-        )
-        for r in read_curated(paths.curated)
-    }
     labels = {
         "engine": engine.identity(),
         "model": identity.model,
         "sampling": orjson.dumps(identity.sampling.as_dict(), option=orjson.OPT_SORT_KEYS).decode(),
     }
-    journal = Journal(paths.journal, identity.as_dict())
-    journaled: dict[str, dict[int, Result]] = {}
-    for key, result in journal.open().items():
-        if (parts := split_key(key)) and parts[0] in conversations:
-            journaled.setdefault(parts[0], {})[parts[1]] = result
-    if journal.discarded:
-        print(
-            f"{paths.name}: journal of another model, chat template or sampling moved to "
-            f"{journal.discarded}"
-        )
-    resumed_turns = 0
-    for conversation_id, turns in journaled.items():
-        conversation = conversations[conversation_id]
-        conversation.resume(turns)
-        resumed_turns += len(conversation.results)
-        if guard:
-            for k, result in enumerate(conversation.results):
-                prompt = conversation.prompt(tokenizer, special, k).ids
-                guard.observe(turn_row(prompt, result, special, conversation.thinking))
-    resumed = sum(c.done() for c in conversations.values())
-
-    started = time.monotonic()
-    prior_wall = journal.wall_s
-    generated_tokens = generated_turns = 0
-    failed: dict[str, Result] = {}
-    bar = tqdm(
-        total=resumed_turns + sum(c.remaining_turns() for c in conversations.values()),
-        initial=resumed_turns,
-        desc=f"generate {paths.name}",
-        unit="turn",
-        disable=not progress,
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
-
-    def on_result(result: Result) -> None:
-        nonlocal generated_tokens, generated_turns
-        journal.append([result], wall_s=prior_wall + time.monotonic() - started)
-        conversation_id, k = split_key(result.id) or (result.id, 0)
-        conversation = conversations[conversation_id]
-        if result.finish_reason == "error":
-            failed[conversation_id] = result
-        else:
-            conversation.results.append(result)
-        prompt = conversation.prompt(tokenizer, special, k).ids
-        row = turn_row(prompt, result, special, conversation.thinking)
-        generated_tokens += row["num_completion_tokens"]
-        generated_turns += 1
-        if conversation_id in failed or conversation.done():
-            bar.total -= len(conversation.turns) - k - 1  # turns it will never have
-        elapsed = max(time.monotonic() - started, 1e-9)
-        bar.set_postfix_str(f"{generated_tokens / elapsed:,.0f} out tok/s", refresh=False)
-        bar.update(1)
-        if guard:
-            guard.observe(row)
-
+    own = _open_shard(paths, 0, identity, tokenizer, special, guard)
+    assert own is not None
+    shards = [own]
+    bar: Any = None
     try:
-        while nexts := [
-            c.next_request(tokenizer, special)
-            for i, c in sorted(conversations.items())
-            if i not in failed and not c.done()
-        ]:
-            pending = [r for r in nexts if isinstance(r, Request)]
-            for unbuildable in (r for r in nexts if isinstance(r, Result)):
-                failed[split_key(unbuildable.id)[0]] = unbuildable  # type: ignore[index]
-            before = generated_turns
-            engine.generate(pending, on_result)
-            if generated_turns - before < len(pending):
-                raise ShardFailed(
-                    f"{paths.name}: the engine returned no result for "
-                    f"{len(pending) - generated_turns + before} of {len(pending)} requests"
-                )
+        if own.remaining_turns():
+            for position, ahead_paths in enumerate(ahead() if callable(ahead) else ahead, 1):
+                shard = _open_shard(ahead_paths, position, identity, tokenizer, special, guard)
+                if shard is None:
+                    print(f"{ahead_paths.name}: another generate run holds its journal; not "
+                          "working ahead on it")  # fmt: skip
+                else:
+                    shards.append(shard)
+        more = f" +{len(shards) - 1} ahead" if len(shards) > 1 else ""
+        started = time.monotonic()
+        bar = tqdm(
+            total=sum(s.resumed_turns + s.remaining_turns() for s in shards),
+            initial=sum(s.resumed_turns for s in shards),
+            desc=f"generate {paths.name}{more}",
+            unit="turn",
+            disable=not progress,
+            mininterval=1.0,
+            dynamic_ncols=True,
+        )
+
+        def shard_wall(shard: _Shard) -> float:
+            """The shard's generation time so far, all runs: the stage's own shard has this
+            run's time but what went to the shards worked ahead on."""
+            if not shard.own:
+                return shard.prior_wall + scheduler.attributed_s(shard.paths.name)
+            others = sum(scheduler.attributed_s(s.paths.name) for s in shards[1:])
+            return shard.prior_wall + time.monotonic() - started - others
+
+        def lost(work: _Turns, last: int) -> None:
+            """The conversation ends after turn `last`: the bar loses the turns it never has."""
+            assert work.conversation is not None
+            bar.total -= len(work.conversation.turns) - last - 1
+            if not work.shard.own:  # its own stage rebuilds it from the journal: free it
+                del work.shard.conversations[work.conversation.id]
+                work.conversation = None
+
+        def on_result(work: _Turns, result: Result) -> None:
+            shard, conversation = work.shard, work.conversation
+            assert conversation is not None
+            shard.journal.append([result], wall_s=shard_wall(shard))
+            conversation_id, k = split_key(result.id) or (result.id, 0)
+            if result.finish_reason == "error":
+                shard.failed[conversation_id] = result
+            else:
+                conversation.results.append(result)
+            prompt = conversation.prompt(tokenizer, special, k).ids
+            row = turn_row(prompt, result, special, conversation.thinking)
+            shard.generated_tokens += row["num_completion_tokens"]
+            shard.generated_turns += 1
+            if conversation_id in shard.failed or conversation.done():
+                lost(work, k)
+            elapsed = max(time.monotonic() - started, 1e-9)
+            tokens = sum(s.generated_tokens for s in shards)
+            bar.set_postfix_str(f"{tokens / elapsed:,.0f} out tok/s", refresh=False)
+            bar.update(1)
+            if guard:
+                guard.observe(row)
+
+        scheduler = Scheduler(engine, on_result, schedule=schedule)  # type: ignore[arg-type]
+        try:
+            scheduler.run(
+                _Turns(s, c, tokenizer, special, lost)
+                for s in shards
+                for i, c in sorted(s.conversations.items())
+                if i not in s.failed
+            )
+        except NoResult as exc:
+            raise ShardFailed(f"{paths.name}: {exc}") from exc
     finally:
-        bar.close()
-        journal.close()
+        if bar is not None:
+            bar.close()
+        for shard in shards:
+            shard.journal.close()
     run_wall = time.monotonic() - started
 
+    conversations, failed = own.conversations, own.failed
     ordered = [
         labelled_row(
             conversation_row(conversations[i], tokenizer, special, failed.get(i)), tokenizer, labels
@@ -247,20 +368,84 @@ def run_shard(
         )
 
     atomic.write_parquet(paths.output, pa.Table.from_pylist(ordered, schema=SCHEMA))
-    metrics = shard_metrics(ordered, reasons, len(ordered) - resumed, generated_tokens, run_wall)
+    tokens = sum(s.generated_tokens for s in shards)  # the node's work: own and worked ahead
+    metrics = shard_metrics(ordered, reasons, len(ordered) - own.resumed, tokens, run_wall)
+    ahead_s = sum(scheduler.attributed_s(s.paths.name) for s in shards[1:])
     metrics.update(
         {
-            "wall_s": round(prior_wall + run_wall, 3),
-            "resumed_samples": resumed,
-            "generated_turns": generated_turns,
+            "wall_s": round(own.prior_wall + run_wall - ahead_s, 3),
+            "resumed_samples": own.resumed,
+            "generated_turns": own.generated_turns,
+            "turns": sum(r["turns"] for r in ordered),
+            # Every turn's prompt (what the engine prefilled): `draftline plan` reads it.
+            "turn_prompt_tokens": sum(
+                len(conversations[i].prompt(tokenizer, special, k).ids)
+                for i in conversations
+                for k in range(len(conversations[i].results))
+            ),
+            "schedule": schedule,
+            "mean_in_flight": round(scheduler.mean_in_flight(), 2),
+            "max_in_flight": scheduler.limit,
+            "work_ahead": {
+                s.paths.name: {
+                    "turns": s.generated_turns,
+                    "output_tokens": s.generated_tokens,
+                    "wall_s": round(scheduler.attributed_s(s.paths.name), 3),
+                    "turns_left": s.remaining_turns(),
+                }
+                for s in shards[1:]
+            },
             **(extra_metrics or {}),
             "engine_identity": labels["engine"],
             "model": identity.model,
         }
     )
     atomic.write_json(paths.run_log, metrics)
-    journal.remove()  # the output is in place: nothing left to resume
+    mark_current(paths, identity)
+    own.journal.remove()  # the output is in place: nothing left to resume
     return metrics
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _marker(paths: ShardPaths) -> Path:
+    return paths.journal.with_suffix(".done.json")
+
+
+def mark_current(paths: ShardPaths, identity: Identity) -> None:
+    """Record what the table now in place was generated from (working state beside the
+    journal), so a stage working ahead can tell a current table from one left by another run."""
+    atomic.write_json(
+        _marker(paths),
+        {
+            "identity": identity.as_dict(),
+            "curated_sha256": _digest(paths.curated),
+            "table_sha256": _digest(paths.output),
+        },
+    )
+
+
+def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
+    """Whether a shard is worth working ahead on: it has no table, or one this draftline wrote
+    from another identity or another curated shard (so its stage will run again). A table
+    without a record (an older draftline's, or checked out by DVC) is taken as current."""
+    if not paths.output.exists():
+        return True
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("table_sha256") != _digest(paths.output):
+        return False  # not the table the record describes: nothing known about it
+    return record.get("identity") != identity.as_dict() or (
+        record.get("curated_sha256") != (_digest(paths.curated) if paths.curated.exists() else None)
+    )
 
 
 def shard_metrics(

@@ -10,7 +10,7 @@ Units: tokens per second, seconds, decimal terabytes (1e12 bytes), US dollars.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from draftline.core.target import model_ref
@@ -24,6 +24,7 @@ from draftline.ops.plan_figures import (
     usable,
 )
 from draftline.runtime.params import identity as run_identity
+from draftline.runtime.run_log import number_at
 
 SCHEMA = "draftline.plan/1"
 DAY_S = 86_400.0
@@ -39,6 +40,82 @@ STAGE_WORDS = {
     "train_offline": "offline training",
     "train_online": "online training",
 }
+# Slot utilisation of the generation schedule, measured by benchmarks/generation_schedule.py:
+# the project's scheduler driving a simulated engine of 2,048 slots over 8 shards of 14,000
+# conversations (turns 1-30, mean 3; answers log-normal, mean 2,300 tokens, capped at 8,192;
+# prefill 1/6 of a decode token), stages run one after another as `dvc repro` runs them.
+# An estimated generate rate is the engine's when full: the plan divides by these.
+SCHEDULE_BENCHMARK = (
+    "benchmarks/generation_schedule.py, 2,048 slots, 8 x 14,000 conversations; rounds 0.211"
+)
+SCHEDULE_UTILISATION = {
+    "work_ahead": (0.985, "continuous with work-ahead"),
+    "alone": (0.476, "continuous, each shard alone"),
+}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What generation does per conversation, every profile alike."""
+
+    turns: Figure  # assistant turns the target writes per conversation
+    prefill_tokens: Figure  # prompt tokens prefilled per conversation, every turn's prompt
+    output_tokens: float  # per conversation: turns x completion tokens
+
+
+def generation_work(params: dict[str, Any], metrics: dict[str, Any], inputs: Inputs) -> Generation:
+    """Turns and prefill per conversation: measured by the generate stages of this target, data
+    and drafter, else from the data profile's estimate (a later turn's prompt holds the earlier
+    turns' history, so prefill grows with the square of the turns)."""
+    data = params.get("data") or {}
+    estimate = data.get("estimate") or {}
+    where = f"conf/data/{data.get('name', '?')}.yaml estimate"
+    wanted = run_identity(params)
+    logs = [m for m in (metrics.get("generate") or {}).values() if usable(m, wanted)]
+
+    def measured(key: str) -> float | None:
+        values = [(number_at(m, key), number_at(m, "samples")) for m in logs]
+        if not values or not all(v is not None and n for v, n in values):
+            return None
+        return sum(v for v, _ in values) / sum(n for _, n in values)  # type: ignore[misc]
+
+    last_only = str(data.get("regenerate_turns", "all")) == "last"
+    if last_only:
+        turns = Figure(1.0, "data.regenerate_turns: last (the final turn only)", kind="derived")
+    elif (value := measured("turns")) is not None:
+        where_measured = f"turns / samples over {len(logs)} metrics/generate files"
+        turns = Figure(value, where_measured, kind="measured")
+    elif estimate.get("turns"):
+        turns = Figure(float(estimate["turns"]), f"{where}.turns")
+    else:
+        turns = Figure(1.0, f"one turn per conversation (no {where}.turns)")
+    t, first = turns.value or 1.0, inputs.prompt_tokens.value or 0.0
+    history = float(estimate.get("history_tokens") or 0.0)
+    if (value := measured("turn_prompt_tokens")) is not None and not last_only:
+        prefill = Figure(
+            value,
+            f"every turn's prompt / samples over {len(logs)} metrics/generate files",
+            "measured",
+        )
+    elif last_only or t <= 1:
+        prefill = Figure(first, "one prompt per conversation", kind="derived")
+    else:
+        # Turn k's prompt: the first one plus k earlier turns' history. Turns drawn geometric
+        # with mean t (as the benchmark draws them): the mean of T(T-1)/2 is t(t-1).
+        prefill = Figure(
+            t * first + history * t * (t - 1),
+            f"turns x prompt + {where}.history_tokens ({history:,.0f}) x turns(turns-1): each "
+            "later turn's prompt holds the earlier turns",
+            kind="derived",
+        )
+    return Generation(turns, prefill, t * (inputs.completion_tokens.value or 0.0))
+
+
+def schedule_utilisation(profile: dict[str, Any]) -> Figure:
+    """The measured utilisation of the schedule this profile generates with."""
+    key = "work_ahead" if int(profile.get("work_ahead_shards") or 0) > 0 else "alone"
+    value, what = SCHEDULE_UTILISATION[key]
+    return Figure(value, f"{what}: {SCHEDULE_BENCHMARK}", kind="measured")
 
 
 def _stage(tokens: float, rate: Figure, limit_days: float) -> dict[str, Any]:
@@ -63,6 +140,54 @@ def _stage(tokens: float, rate: Figure, limit_days: float) -> dict[str, Any]:
     }
 
 
+def _generate_stage(
+    inputs: Inputs,
+    gen: Generation,
+    rates: dict[str, Figure],
+    utilisation: Figure,
+    limit_days: float,
+) -> dict[str, Any]:
+    """Generation, per turn: every turn's answer at the generate rate and every turn's prompt at
+    the extract rate (prefill is a target forward), over the schedule's utilisation. A measured
+    generate rate (output tokens over a run's wall time) has prefill and idle slots in it."""
+    rate, prefill_rate = rates["generate"], rates["extract"]
+    n = inputs.samples.value or 0.0
+    output, prompts = n * gen.output_tokens, n * (gen.prefill_tokens.value or 0.0)
+    figures: dict[str, Any] = {"output_tokens": output, "prefill_tokens": prompts}
+    if not rate.value:
+        return {**_stage(output, rate, limit_days), **figures, "utilisation": None}
+    if rate.measured:
+        info = _stage(output, rate, limit_days)
+        info["source"] += " (measured: prefill and the schedule's idle slots included)"
+        return {**info, **figures, "utilisation": None}
+    prefill_s = prompts / prefill_rate.value if prefill_rate.value else 0.0
+    u = utilisation.value or 1.0
+
+    def seconds(tok_s: float) -> float:
+        return (output / tok_s + prefill_s) / u
+
+    total = seconds(rate.value)
+    range_days = None
+    if rate.low and rate.high:
+        range_days = [seconds(rate.high) / DAY_S, seconds(rate.low) / DAY_S]
+    return {
+        "seconds": total,
+        "days": total / DAY_S,
+        "range_days": range_days,
+        "over_limit": total / DAY_S > limit_days,
+        "source": (
+            f"{gen.turns.value:g} turns x {inputs.completion_tokens.value:,.0f} tokens at "
+            f"{rate.value:,.0f} tok/s + {gen.prefill_tokens.value:,.0f} prompt tokens at the "
+            f"extract rate (prefill), per conversation, / utilisation {u:.3f}"
+            + ("" if prefill_rate.value else " (no extract rate: prefill left out)")
+        ),
+        **figures,
+        "decode_s": output / rate.value,
+        "prefill_s": prefill_s,
+        "utilisation": _figure(utilisation),
+    }
+
+
 def _figure(f: Figure) -> dict[str, Any]:
     return {k: v for k, v in asdict(f).items() if v is not None or k == "value"}
 
@@ -74,10 +199,11 @@ def plan_profile(
     inputs: Inputs,
     metrics: dict[str, Any],
     time_limit_days: float,
+    gen: Generation | None = None,
 ) -> dict[str, Any]:
     """Stage times, totals and costs of one profile."""
     rates = profile_throughput(name, profile, params, metrics)
-    gen_tokens = inputs.samples.value * inputs.completion_tokens.value
+    gen = gen or generation_work(params, metrics, inputs)
     seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
     train_tokens = inputs.epochs * seq_tokens
     online_rate = rates.get("train_online")
@@ -92,7 +218,9 @@ def plan_profile(
             kind="derived" if value else "unknown",
         )
     stages = {
-        "generate": _stage(gen_tokens, rates["generate"], time_limit_days),
+        "generate": _generate_stage(
+            inputs, gen, rates, schedule_utilisation(profile), time_limit_days
+        ),
         "extract": _stage(seq_tokens, rates["extract"], time_limit_days),
         "train_offline": _stage(train_tokens, rates["train"], time_limit_days),
         "train_online": _stage(train_tokens, online_rate, time_limit_days),
@@ -155,8 +283,9 @@ def build_plan(
         "budget_tb": storage_budget_tb,
         "over_budget": feature_bytes / TB > storage_budget_tb,
     }
+    gen = generation_work(params, metrics, inputs)
     planned = [
-        plan_profile(name, prof, params, inputs, metrics, time_limit_days)
+        plan_profile(name, prof, params, inputs, metrics, time_limit_days, gen)
         for name, prof in profiles.items()
     ]
     for p in planned:
@@ -184,6 +313,11 @@ def build_plan(
             "sequence_tokens": _figure(inputs.sequence_tokens),
             "bytes_per_token": _figure(inputs.bytes_per_token),
             "max_length": inputs.max_length,
+        },
+        "generation": {
+            "turns": _figure(gen.turns),
+            "prefill_tokens": _figure(gen.prefill_tokens),
+            "output_tokens": gen.output_tokens,
         },
         "limits": {"storage_budget_tb": storage_budget_tb, "time_limit_days": time_limit_days},
         "storage": storage,
@@ -332,7 +466,7 @@ def _recommendations(
                 and q["stages"]["generate"]["days"] <= limit
             ]
             rate = by_name[p["name"]]["throughput"]["generate_tok_s"]["value"]
-            fit = math.floor(limit * DAY_S * rate / inputs.completion_tokens.value)
+            fit = math.floor(limit * DAY_S / (gen["seconds"] / inputs.samples.value))
             recs.append(
                 {
                     "kind": "generate_time",

@@ -74,7 +74,13 @@ SCHEMA: Schema = {
         "max_prompt_tokens": None,
         "max_reject_rate": None,
         "split_seed": None,
-        "estimate": {"samples": None, "prompt_tokens": None, "completion_tokens": None},
+        "estimate": {
+            "samples": None,
+            "prompt_tokens": None,
+            "completion_tokens": None,
+            "turns": None,
+            "history_tokens": None,
+        },
     },
     "drafter": {
         "name": None,
@@ -112,6 +118,7 @@ SCHEMA: Schema = {
         "local": {"batch_size": None},
         "extract_tokens_per_batch": None,
         "num_threads": None,
+        "work_ahead_shards": None,
         "sglang": {
             "dp_size": None,
             "tp_size": None,

@@ -7,6 +7,13 @@
 The engine comes from the hardware profile (`draftline.generation.engines.choose`: `local`
 transformers, or `sglang` over HTTP, started on demand with `generate.autostart: true`).
 A killed run resumes from `.draftline/journal/generate/`.
+
+Work-ahead (`hardware.work_ahead_shards`, on in the GPU profiles): a train shard stage with turns
+left streams its shard together with the next N shards of `data.shard_ids` (dvc.yaml's order)
+that still need generating, into their own journals, so no shard end leaves the engine idle; the
+following stages then find their journals complete and only write their tables. How generation
+is scheduled is a hardware setting, never a stage param: the outputs are the same bytes either
+way (`hardware.generation_schedule: rounds` runs the old schedule, for comparisons).
 """
 
 from __future__ import annotations
@@ -22,7 +29,14 @@ from draftline.data.curation import shard_file_name
 from draftline.generation.engines.base import EngineUnavailable
 from draftline.generation.engines.choose import make_engine, sampling_from
 from draftline.generation.guard import Guard, GuardAbort
-from draftline.generation.shards import Identity, ShardFailed, ShardPaths, run_shard
+from draftline.generation.schedule import stream_shards
+from draftline.generation.shards import (
+    Identity,
+    ShardFailed,
+    ShardPaths,
+    needs_generating,
+    run_shard,
+)
 from draftline.quality.checks import thinking_enabled
 from draftline.runtime import hardware, params, run_log
 
@@ -88,8 +102,24 @@ def run(args: argparse.Namespace) -> int:
         thinking_share=float((p.get("data") or {}).get("thinking_share", 1.0)),
         regenerate_turns=str((p.get("data") or {}).get("regenerate_turns", "all")),
     )
+    work_ahead = int(profile.get("work_ahead_shards") or 0)
+
+    def ahead() -> list[ShardPaths]:
+        """The following shards to work ahead on (asked only when this shard has turns left)."""
+        if args.eval or not work_ahead:
+            return []
+        ids = [int(i) for i in p["data"]["shard_ids"]]
+        wanted = stream_shards(
+            args.shard, ids, work_ahead, lambda s: needs_generating(shard_paths(s), identity)
+        )
+        return [shard_paths(s) for s in wanted[1:]]
+
     engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
-    extra = {**hardware.describe(profile), **params.identity(p)}
+    extra = {
+        **hardware.describe(profile),
+        **params.identity(p),
+        "work_ahead_shards": 0 if args.eval else work_ahead,
+    }
     try:
         metrics = run_shard(
             paths,
@@ -101,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             max_error_share=float(gen.get("max_error_share", 0.01)),
             extra_metrics=extra,
             progress=not args.no_progress,
+            ahead=ahead,
+            schedule=str(profile.get("generation_schedule") or "continuous"),
         )
     except (GuardAbort, ShardFailed, EngineUnavailable) as exc:
         print(f"generate {paths.name} stopped: {exc}")
@@ -117,4 +149,9 @@ def run(args: argparse.Namespace) -> int:
         f"resumed), {metrics['output_tokens']} output tokens, "
         f"{metrics['output_tok_s'] or 0:,.0f} out tok/s, finish {metrics['finish_reasons']}"
     )
+    for name, done in metrics["work_ahead"].items():
+        print(
+            f"  worked ahead on {name}: {done['turns']} turns journaled"
+            + (f", {done['turns_left']} left" if done["turns_left"] else ", every turn done")
+        )
     return 0

@@ -96,6 +96,9 @@ def make_server_engine(
         max_retries=int(gen.get("max_retries", 5)),
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
         backoff_max_s=float(gen.get("backoff_max_s", 30)),
+        # The servers order their queues by the scheduler's priorities only when asked to.
+        priorities=kind == "sglang"
+        and "--enable-priority-scheduling" in [str(a) for a in settings.get("extra_args") or []],
     )
     engine = sglang.SGLangEngine if kind == "sglang" else vllm.VLLMEngine
     serving = sglang_server.serving_identity(p["model"])

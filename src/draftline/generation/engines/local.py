@@ -1,8 +1,10 @@
 """The local engine: transformers `generate` in this process, batched, on CPU or GPU.
 
-Prompts are sorted by length before batching so left padding stays small; each batch's results
-are reported as soon as the batch finishes. Generation stops at the end-of-turn token only, so
-the completion is what the model wrote up to its own end of turn.
+Submitted prompts wait in a queue; each `results` call runs one batch, the `batch_size`
+shortest queued prompts (by length, then id, so left padding stays small), and returns its
+results. `max_in_flight` is the batch size: the scheduler keeps one batch's worth submitted, so
+a conversation's next turn rides in the next batch. Generation stops at the end-of-turn token
+only, so the completion is what the model wrote up to its own end of turn.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from draftline.core.continuation import continue_batch
 from draftline.core.loss_mask import cut_at_end_of_turn
-from draftline.generation.engines.base import OnResult, Request, Result, Sampling
+from draftline.generation.engines.base import OnResult, Request, Result, Sampling, generate_all
 from draftline.runtime.hardware import Execution
 
 
@@ -34,6 +36,11 @@ class LocalEngine:
         self.pad_token_id = end_of_turn if pad_token_id is None else pad_token_id
         self.batch_size = max(1, int(batch_size))
         self.calls = 0  # batches run, for tests and metrics
+        self.queue: list[Request] = []
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.batch_size
 
     @classmethod
     def from_config(
@@ -64,15 +71,24 @@ class LocalEngine:
 
         return f"local:transformers-{transformers.__version__}"
 
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.queue.extend(requests)
+
+    def results(self) -> list[Result]:
+        """Run the next batch: the shortest queued prompts (the order of submission, priority
+        included, does not change which prompts share a batch once all are queued)."""
+        if not self.queue:
+            return []
+        self.queue.sort(key=lambda r: (len(r.prompt_ids), r.id))
+        batch, self.queue = self.queue[: self.batch_size], self.queue[self.batch_size :]
+        return self._generate_batch(batch)
+
     def generate(self, requests: Sequence[Request], on_result: OnResult) -> None:
-        ordered = sorted(requests, key=lambda r: (len(r.prompt_ids), r.id))
-        for start in range(0, len(ordered), self.batch_size):
-            batch = ordered[start : start + self.batch_size]
-            for result in self._generate_batch(batch):
-                on_result(result)
+        generate_all(self, requests, on_result)
 
     def close(self) -> None:
         self.model = None
+        self.queue = []
 
     def _generate_batch(self, batch: Sequence[Request]) -> list[Result]:
         import torch

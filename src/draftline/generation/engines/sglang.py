@@ -5,8 +5,10 @@ Response: `{"output_ids": [...], "text": ..., "meta_info": {"finish_reason": {"t
 "matched": <id>} | {"type": "length", "length": n} | {"type": "abort", "message": ...},
 "prompt_tokens", "completion_tokens", ...}}`. Readiness is `GET /health`.
 
-`max_in_flight` requests are kept open at all times (spread over the endpoints, least busy
-first) so the engines' schedulers stay full. Connection errors, timeouts, 429 and 5xx are
+Requests are submitted while answers arrive (`submit`, `results`: the client's event loop runs
+in a thread of its own); at most `max_in_flight` are open at once (spread over the endpoints,
+least busy first), the rest wait in the client's queue, higher priority first, so the engines'
+schedulers stay full. Connection errors, timeouts, 429 and 5xx are
 retried with exponential backoff and jitter, on another endpoint when there is one; an endpoint
 that refused a connection is left out of the choice for `backoff_max_s` (a dead node would
 otherwise look least busy and draw every request). A sample that still fails becomes an `error`
@@ -17,8 +19,11 @@ run stops with `EngineUnavailable` (finished samples are already journaled).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
+import queue
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +33,14 @@ import aiohttp
 import orjson
 
 from draftline.core.loss_mask import cut_at_end_of_turn
-from draftline.generation.engines.base import EngineUnavailable, OnResult, Request, Result, Sampling
+from draftline.generation.engines.base import (
+    EngineUnavailable,
+    OnResult,
+    Request,
+    Result,
+    Sampling,
+    generate_all,
+)
 
 ENDPOINTS_ENV = "DRAFTLINE_SGLANG_ENDPOINTS"
 
@@ -42,6 +54,9 @@ class ClientSettings:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     health_timeout_s: float = 5.0
+    # Send each request's `priority` (SGLang schedules by it, higher first, when started with
+    # `--enable-priority-scheduling`; older servers reject the field).
+    priorities: bool = False
 
 
 def resolve_endpoints(
@@ -124,49 +139,139 @@ class SGLangEngine:
         self.retries = 0
         self._rng = random.Random()
         self.serving = serving  # what the servers compute (the model's `serving` block)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._outstanding = 0  # submitted, result not yet handed out
+        self._failure: BaseException | None = None
+        self._seq = 0
+        # Owned by the loop's thread once started (`_start`).
+        self._done: queue.Queue[Result | BaseException] = queue.Queue()
+        self._waiting: list[tuple[int, int, Request]] = []
+        self._running = 0
+        self._stopped = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._session: Any = None
 
     def identity(self) -> str:
         """Recorded with every sample: a change of served precision or speculative settings
         is another engine, so a resumed shard never mixes the two."""
         return f"sglang:{self.serving}" if self.serving else "sglang"
 
-    def close(self) -> None:
-        pass
+    @property
+    def max_in_flight(self) -> int:
+        return self.settings.max_in_flight
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (higher priority first); at most `max_in_flight` are open at once."""
+        if not requests:
+            return
+        loop = self._start()
+        self._outstanding += len(requests)
+        loop.call_soon_threadsafe(self._enqueue, list(requests))
+
+    def results(self) -> list[Result]:
+        """Results as they finish; `EngineUnavailable` (once every result that arrived before
+        it is handed out) when no endpoint answers any more."""
+        if self._failure is not None:
+            raise self._failure
+        if not self._outstanding:
+            return []
+        items = [self._next_item()]
+        while not self._done.empty():
+            items.append(self._done.get_nowait())
+        self._outstanding -= len(items)
+        finished = [item for item in items if isinstance(item, Result)]
+        failure = next((item for item in items if isinstance(item, BaseException)), None)
+        if failure is not None:
+            self._failure = failure
+            if not finished:
+                raise failure
+        return finished
 
     def generate(self, requests: Sequence[Request], on_result: OnResult) -> None:
-        if requests:
-            asyncio.run(self._run(list(requests), on_result))
+        try:
+            generate_all(self, requests, on_result)
+        finally:  # done, or on_result raised (guard abort): nothing stays open
+            self.close()
 
-    async def _run(self, requests: list[Request], on_result: OnResult) -> None:
-        s = self.settings
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=s.request_timeout_s)
-        results: asyncio.Queue[Result | BaseException] = asyncio.Queue()
-        pending = iter(requests)
+    def close(self) -> None:
+        """Drop the requests still open (their connections close, so the servers abort them)
+        and stop the client's event loop."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+        self._loop = self._thread = None
+        self._outstanding = 0
+        self._failure = None
 
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # The client's event loop runs in a thread of its own, so requests are sent and answers
+    # read while the caller journals results and builds the next prompts.
 
-            async def worker() -> None:
-                for request in pending:  # shared iterator: each request taken exactly once
-                    try:
-                        results.put_nowait(await self._one(session, request))
-                    except Exception as exc:  # EngineUnavailable or a bug: stop the run
-                        results.put_nowait(exc)
-                        return
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name=f"{self.name}-client")
+            thread.daemon = True  # a killed stage never waits for it
+            thread.start()
+            self._loop, self._thread = loop, thread
+            self._done = queue.Queue()
+            self._waiting = []
+            self._running = 0
+            self._stopped = False
+            self._tasks = set()
+            self._session = asyncio.run_coroutine_threadsafe(self._open(), loop).result()
+        return self._loop
 
-            workers = [
-                asyncio.create_task(worker()) for _ in range(min(s.max_in_flight, len(requests)))
-            ]
+    def _next_item(self) -> Result | BaseException:
+        while True:  # a timeout, so Ctrl-C reaches the waiting thread
             try:
-                for _ in range(len(requests)):
-                    item = await results.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    on_result(item)  # may raise (guard abort): the finally cancels the rest
-            finally:
-                for task in workers:
-                    task.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
+                return self._done.get(timeout=1.0)
+            except queue.Empty:
+                continue
+
+    async def _open(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+        return aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+    def _enqueue(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._seq += 1
+            heapq.heappush(self._waiting, (-request.priority, self._seq, request))
+        self._fill()
+
+    def _fill(self) -> None:
+        assert self._loop is not None
+        while self._waiting and self._running < self.settings.max_in_flight and not self._stopped:
+            request = heapq.heappop(self._waiting)[2]
+            self._running += 1
+            task = self._loop.create_task(self._serve(request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, request: Request) -> None:
+        try:
+            item: Result | BaseException = await self._one(self._session, request)
+        except Exception as exc:  # EngineUnavailable or a bug: nothing new starts
+            self._stopped = True
+            item = exc
+        finally:
+            self._running -= 1
+        self._done.put(item)
+        self._fill()
+
+    async def _shutdown(self) -> None:
+        self._stopped = True
+        self._waiting.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
 
     def _pick(self, avoid: str | None) -> str:
         now = time.monotonic()
@@ -205,13 +310,14 @@ class SGLangEngine:
 
     def _payload(self, request: Request, attempt: int) -> bytes:
         """The body of one request (one sample)."""
-        return orjson.dumps(
-            {
-                "input_ids": request.prompt_ids,
-                "sampling_params": self.params,
-                "rid": f"{request.id}-{attempt}",
-            }
-        )
+        body: dict[str, Any] = {
+            "input_ids": request.prompt_ids,
+            "sampling_params": self.params,
+            "rid": f"{request.id}-{attempt}",
+        }
+        if self.settings.priorities:
+            body["priority"] = request.priority
+        return orjson.dumps(body)
 
     def _parse(self, sample_id: str, body: dict[str, Any]) -> Result:
         """The Result of one 200 answer (already a JSON object)."""
