@@ -196,8 +196,8 @@ class Figures:
     wall_s: float = 0.0
     ideal_s: float = 0.0
     utilisation: float = 0.0
-    mean_in_flight: float = 0.0
-    peak_in_flight: int = 0
+    mean_submitted: float = 0.0  # requests submitted and not back (rounds: queued ones too)
+    peak_submitted: int = 0
     streams: list[list[int]] = field(default_factory=list)  # the shards each stage streamed
     cpu_s: float = 0.0
 
@@ -228,14 +228,14 @@ def simulate(args: argparse.Namespace, schedule: str, work_ahead: int) -> Figure
         scheduler = Scheduler(engine, on_result, schedule=schedule, clock=lambda: engine.now)
         scheduler.run(c for s in stream for c in shards[s].conversations)
         in_flight_s += scheduler.in_flight_s
-        figures.peak_in_flight = max(figures.peak_in_flight, scheduler.peak_in_flight)
+        figures.peak_submitted = max(figures.peak_submitted, scheduler.peak_in_flight)
     assert all(not s.remaining() for s in shards), "a turn was never generated"
     assert figures.turns == len(answers), "a turn was generated twice"
     figures.output_tokens, figures.prefill_tokens = engine.output_tokens, engine.prefill_tokens
     figures.wall_s = engine.now
     figures.ideal_s = engine.busy_s / args.slots
     figures.utilisation = figures.ideal_s / figures.wall_s if figures.wall_s else 0.0
-    figures.mean_in_flight = in_flight_s / figures.wall_s if figures.wall_s else 0.0
+    figures.mean_submitted = in_flight_s / figures.wall_s if figures.wall_s else 0.0
     figures.cpu_s = time.process_time() - began
     return figures
 
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{label:>26}: {f.turns:,} turns, {f.output_tokens:,} output + {f.prefill_tokens:,} "
             f"prompt tokens; wall {f.wall_s / 3600:,.1f} h vs ideal {f.ideal_s / 3600:,.1f} h "
-            f"(x{f.wall_s / f.ideal_s:.2f}); mean in flight {f.mean_in_flight:,.0f}; "
-            f"utilisation {f.utilisation:.3f}; {len(f.streams)} streams; {f.cpu_s:.1f} CPU s"
+            f"(x{f.wall_s / f.ideal_s:.2f}); utilisation {f.utilisation:.3f}; "
+            f"{len(f.streams)} streams; {f.cpu_s:.1f} CPU s"
         )
     by = {(f.schedule, f.work_ahead_shards): f for f in results}
     continuous, rounds = by[("continuous", args.work_ahead_shards)], by[("rounds", 0)]
