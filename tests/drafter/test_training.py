@@ -1,5 +1,6 @@
-"""Training: it learns, the world size and the layout (DDP, FSDP2, activation checkpointing)
-do not change the result, a killed run resumes, on the same or another world size.
+"""Training: it learns, the world size and the layout (DDP, FSDP2, activation checkpointing;
+offline features, or online with the frozen target sharded) do not change the result, a killed
+run resumes, on the same or another world size.
 
 Real runs: `draftline train` in subprocesses (two gloo processes for the distributed cases, two
 torchrun launches for two nodes), a real SIGKILL for the interruption, a tiny random Qwen3
@@ -185,6 +186,27 @@ def test_two_fsdp_processes_give_the_same_loss_curve_and_drafter_as_one(single_r
     assert metrics["activation_checkpointing"] is True
     # The checkpoint holds each process's shards, not one whole copy per process.
     assert len(list((fsdp_run / "checkpoint").glob("*.distcp"))) == 2
+
+
+@pytest.fixture(scope="module")
+def online_root(tmp_path_factory) -> Path:
+    """Token packs without features, of a 5-layer target: training cuts it after layer 3."""
+    root = tmp_path_factory.mktemp("online")
+    target = make_target(root / "target", layers=5)
+    write_packs(root / "data", target, generated_sequences(target, 32), offline=False)
+    return root
+
+
+def test_online_fsdp_with_the_sharded_target_gives_the_same_loss_curve_as_one(online_root):
+    """Online features: the frozen target (cut, and sharded by FSDP2 beside the drafter over
+    two processes) computes them inside the step; one process holds it whole."""
+    one = run_stage(online_root, "one", processes=1, micro=4)
+    two = run_stage(online_root, "fsdp", processes=2, micro=2, sharding="fsdp")
+    assert_same_curve(two, one, TOLERANCE)
+    import json
+
+    metrics = json.loads((two / "train.json").read_text())
+    assert metrics["features"] == "online" and metrics["sharding"] == "fsdp"
 
 
 def test_two_nodes_give_the_same_loss_curve_as_one_process(workdir, single_run):
