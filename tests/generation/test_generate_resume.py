@@ -237,6 +237,47 @@ def test_kill_9_on_the_local_engine_while_working_ahead(tmp_path, model_dir):
     assert tables(ahead, 2) == reference
 
 
+@pytest.mark.parametrize("target", ["tiny-target", "tiny-qwen36"])
+def test_the_embedded_targets_write_the_old_schedules_bytes(tmp_path, target):
+    """The embedded default's target and the Qwen3.6 twin (local engine, greedy), a shard of
+    the bundled conversations (multi-turn ones among them) and one of made-up 1-4-turn ones:
+    the continuous schedule, stage 0 working ahead on shard 1, writes the bytes of the old
+    rounds schedule with each stage alone, and so do the journals they resume from."""
+    from draftline.core.turn_prompts import regenerated_turns
+    from draftline.data.conversations import normalise
+    from draftline.data.input_files import read_rows
+
+    bundled = [normalise(r.value) for r in read_rows(ROOT / "data/sample/conversations.jsonl")
+               if not r.error][:40]  # fmt: skip
+    bundled = [m for m in bundled if isinstance(m, list)]
+    multi = [m for m in bundled if len(regenerated_turns(m)) > 1][:4]
+    picked = multi + [m for m in bundled if m not in multi][:6]
+    runs = {}
+    for name, hardware in (
+        ("rounds", {**LOCAL_CPU, "local": {"batch_size": 4}, "generation_schedule": "rounds"}),
+        ("continuous", {**LOCAL_CPU, "local": {"batch_size": 4}, "work_ahead_shards": 1}),
+    ):
+        work = tmp_path / name
+        work.mkdir()
+        make_workdir(work, ROOT / "models" / target, hardware=hardware, n=6, shards=2,
+                     multi_turn=True, messages=picked, max_new_tokens=48,
+                     generate={"guard": False})  # fmt: skip
+        generate_here(work, "--shard", "0")
+        if name == "continuous":  # stage 0 worked ahead: shard 1's turns are journaled
+            assert not (work / "data/generated/train/shard-1.parquet").exists()
+            ahead = journal_ids(work / ".draftline/journal/generate/shard-1.jsonl")
+        generate_here(work, "--shard", "1")
+        runs[name] = tables(work, 2)
+        if name == "continuous":
+            metrics = json.loads((work / "logs/runs/generate/shard-1.json").read_text())
+            assert metrics["generated_turns"] == 0 and metrics["resumed_samples"] == 6
+    assert runs["continuous"] == runs["rounds"]
+    rows = pq.read_table(tmp_path / "rounds/data/generated/train/shard-0.parquet").to_pylist()
+    assert max(r["turns"] for r in rows) > 1
+    shard_1 = pq.read_table(tmp_path / "rounds/data/generated/train/shard-1.parquet")
+    assert sorted(ahead) == sorted(turn_keys(shard_1.to_pylist()))  # every turn, once
+
+
 def test_journal_keeps_the_latest_record_and_cuts_a_torn_line(tmp_path):
     path = tmp_path / "j.jsonl"
     ident = {"model": "m", "sampling": {"max_new_tokens": 4}}
