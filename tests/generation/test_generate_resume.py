@@ -483,3 +483,29 @@ def test_a_bundled_multi_turn_conversation_resumes_mid_conversation_to_the_same_
         assert sum(mask) == sum(e - s for s, e in spans) + len(row["completion_ids"])
         # Nothing but the target's answers is supervised: no user turn, no role header.
         assert all("<|im_start|>" not in text for text in supervised)
+
+
+def test_a_shard_is_worked_ahead_on_only_when_its_table_is_not_current(tmp_path):
+    """No table: work ahead. A table this draftline wrote for the same identity and curated
+    shard: leave it. Another identity or curated shard: its stage will run again, work ahead.
+    A table nothing is known about (an older draftline's, DVC's checkout): leave it."""
+    from draftline.generation.engines.base import Sampling
+    from draftline.generation.shards import Identity, ShardPaths, mark_current, needs_generating
+
+    paths = ShardPaths("shard-1", tmp_path / "curated.parquet", tmp_path / "out.parquet",
+                       tmp_path / "run.json", tmp_path / "journal/shard-1.jsonl")  # fmt: skip
+    identity = Identity("m", {"enable_thinking": True}, Sampling(max_new_tokens=8))
+    assert not needs_generating(paths, identity)  # nothing curated yet
+    paths.curated.write_bytes(b"curated")
+    assert needs_generating(paths, identity)  # no table
+    paths.output.write_bytes(b"table")
+    assert not needs_generating(paths, identity)  # a table without a record
+    paths.journal.parent.mkdir()
+    mark_current(paths, identity)
+    assert not needs_generating(paths, identity)
+    assert needs_generating(paths, Identity("other", {}, Sampling(max_new_tokens=8)))
+    paths.curated.write_bytes(b"curated again")
+    assert needs_generating(paths, identity)
+    mark_current(paths, identity)
+    paths.output.write_bytes(b"tables")  # replaced by something else
+    assert not needs_generating(paths, identity)

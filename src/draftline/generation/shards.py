@@ -277,7 +277,11 @@ def run_shard(
     try:
         if own.remaining_turns():
             for position, ahead_paths in enumerate(ahead() if callable(ahead) else ahead, 1):
-                shard = _open_shard(ahead_paths, position, identity, tokenizer, special, guard)
+                try:
+                    shard = _open_shard(ahead_paths, position, identity, tokenizer, special, guard)
+                except (SystemExit, Exception) as exc:  # its own stage will say what is wrong
+                    print(f"{ahead_paths.name}: not working ahead on it: {exc}")
+                    continue
                 if shard is None:
                     print(f"{ahead_paths.name}: another generate run holds its journal; not "
                           "working ahead on it")  # fmt: skip
@@ -426,6 +430,7 @@ def mark_current(paths: ShardPaths, identity: Identity) -> None:
         {
             "identity": identity.as_dict(),
             "curated_sha256": _digest(paths.curated),
+            "table_bytes": paths.output.stat().st_size,
             "table_sha256": _digest(paths.output),
         },
     )
@@ -435,16 +440,22 @@ def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
     """Whether a shard is worth working ahead on: it has no table, or one this draftline wrote
     from another identity or another curated shard (so its stage will run again). A table
     without a record (an older draftline's, or checked out by DVC) is taken as current."""
+    if not paths.curated.exists():
+        return False  # curate has not written it: nothing to generate yet
     if not paths.output.exists():
         return True
     try:
         record = json.loads(_marker(paths).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if not isinstance(record, dict) or record.get("table_sha256") != _digest(paths.output):
+    if (
+        not isinstance(record, dict)
+        or record.get("table_bytes") != paths.output.stat().st_size
+        or record.get("table_sha256") != _digest(paths.output)
+    ):
         return False  # not the table the record describes: nothing known about it
     return record.get("identity") != identity.as_dict() or (
-        record.get("curated_sha256") != (_digest(paths.curated) if paths.curated.exists() else None)
+        record.get("curated_sha256") != _digest(paths.curated)
     )
 
 
