@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Torch threads per process: at most 2, and the cores shared among pytest-xdist's workers
+# (oversubscribed threads spin, not work). A value the caller set is kept; the one set here
+# for the controller is recomputed in each worker, which inherits it.
+if os.environ.get("DRAFTLINE_TEST_THREADS") == os.environ.get("OMP_NUM_THREADS", "unset"):
+    os.environ.pop("OMP_NUM_THREADS", None)
+if "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+    os.environ["DRAFTLINE_TEST_THREADS"] = os.environ["OMP_NUM_THREADS"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

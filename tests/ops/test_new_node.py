@@ -8,7 +8,8 @@ generate@2 without its curated input, and `--pull --allow-missing` runs the two 
 (DVC pulls the inputs of stages it runs) and then starts validate on a folder without the
 shards A finished; the input guard refuses both before they read anything. `dvc repro --pull`
 then restores what A finished and runs only validate. No stage runs twice anywhere, and the
-result equals one uninterrupted run on a third clone.
+result equals one uninterrupted run: the session's run of the embedded default
+(helpers/embedded_run.py), shared with tests/test_pipeline.py.
 
 The story runs once (module fixture, a few minutes on CPU); the tests read its record.
 """
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.embedded_run import copy_project, embedded_default, ran_stages
 from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, clone_node, run, salvage
-from test_pipeline import copy_project, ran_stages
 
 SHARDS = [f"generate@{k}" for k in range(4)]
 # Outputs whose bytes do not depend on timing (reports/ hold GX run times): the ones an
@@ -50,13 +51,11 @@ class Story:
     origin: Path
     node_a: Path
     node_b: Path
-    reference: Path
     a_repro: subprocess.CompletedProcess[str]
     a_salvage: subprocess.CompletedProcess[str]
     b_allow_missing: subprocess.CompletedProcess[str]
     b_pull_allow_missing: subprocess.CompletedProcess[str]
     b_repro: subprocess.CompletedProcess[str]
-    reference_repro: subprocess.CompletedProcess[str]
 
 
 def dvc(node: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -105,16 +104,10 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
         b_allow_missing = dvc(node_b, env, "repro", "--allow-missing", "validate")
         b_pull_allow_missing = dvc(node_b, env, "repro", "--pull", "--allow-missing", "validate")
         b_repro = dvc(node_b, env, "repro", "--pull", "validate")
-
-        # One uninterrupted run: a clone of the same first commit, no remote involved.
-        reference = tmp / "reference"
-        run(["git", "clone", "-q", str(seed), str(reference)], tmp, env)
-        reference_repro = dvc(reference, env, "repro", "validate")
         shutil.rmtree(seed)
         yield Story(
-            tmp, env, server, bucket, origin, node_a, node_b, reference,
+            tmp, env, server, bucket, origin, node_a, node_b,
             a_repro, a_salvage, b_allow_missing, b_pull_allow_missing, b_repro,
-            reference_repro,
         )  # fmt: skip
     finally:
         server.stop()
@@ -203,23 +196,27 @@ def test_repro_pull_restores_what_a_finished_and_runs_only_the_rest(story: Story
     assert "up to date" in dvc(story.node_b, story.env, "status", "validate").stdout
 
 
-def test_the_resumed_result_equals_one_uninterrupted_run(story: Story) -> None:
-    ref = story.reference_repro
-    assert ref.returncode == 0, output(ref)
-    assert set(ran_stages(ref.stdout)) == {"curate", *SHARDS, "validate"}
-    resumed, uninterrupted = recorded_hashes(story.node_b), recorded_hashes(story.reference)
+def test_the_resumed_result_equals_one_uninterrupted_run(
+    story: Story, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Node B's result against one uninterrupted `dvc repro` of the same project (another
+    local batch size: hardware changes how, never what)."""
+    reference = embedded_default(tmp_path_factory).snapshot
+    resumed = recorded_hashes(story.node_b)
+    uninterrupted = {
+        out["path"]: out["md5"]
+        for stage in yaml.safe_load((reference / "dvc.lock").read_text())["stages"].values()
+        for out in stage.get("outs", [])
+    }
     for path in DETERMINISTIC:
         assert resumed[path] == uninterrupted[path], path
-    for node in (story.node_b, story.reference):
-        shard_files = sorted(p.name for p in (node / "data/generated/train").iterdir())
-        assert shard_files == [f"shard-{k}.parquet" for k in range(4)]
+    shard_files = sorted(p.name for p in (story.node_b / "data/generated/train").iterdir())
+    assert shard_files == [f"shard-{k}.parquet" for k in range(4)]
     b_metrics = json.loads((story.node_b / "metrics/validate.json").read_text())
-    ref_metrics = json.loads((story.reference / "metrics/validate.json").read_text())
+    ref_metrics = json.loads((reference / "metrics/validate.json").read_text())
     assert b_metrics == ref_metrics
     assert b_metrics["num_samples"] == sum(
-        json.loads((story.reference / "data/curated/summary.json").read_text())[
-            "shard_rows"
-        ].values()
+        json.loads((story.node_b / "data/curated/summary.json").read_text())["shard_rows"].values()
     )
 
 
