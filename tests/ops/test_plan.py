@@ -444,7 +444,7 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         "target_layers": 5,
         "hidden_size": 5120,
     }
-    assert set(out["profiles"]) == {"cpu", "pro6000x4", "b200x8"}
+    assert set(out["profiles"]) == {"cpu", "vllm_cpu", "pro6000x4", "b200x8"}
     for prof in out["profiles"].values():
         assert set(prof["stages"]) == set(planning.STAGES)
         assert set(prof["total"]) == {"offline", "online"}
@@ -459,6 +459,7 @@ def test_cli_json_schema(capsys, conf, tmp_path):
     ]
     assert out["generation"]["turns"]["value"] == 3.0
     assert out["profiles"]["cpu"]["memory"]["stages"] == {}
+    assert out["profiles"]["vllm_cpu"]["memory"]["stages"] == {}
     for name in ("pro6000x4", "b200x8"):
         memory = out["profiles"][name]["memory"]
         assert set(memory["stages"]) == {"extract", "train_offline", "train_online"}
