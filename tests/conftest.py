@@ -50,6 +50,12 @@ def pytest_report_header() -> str:
     return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({chosen})"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that share a pipeline run (an xdist group each) go first: they are the longest
+    chains, so they start at once on their workers while the other tests fill the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
 @pytest.fixture
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A HOME of its own and no AWS settings from this machine, so credential lookups (DVC's

@@ -47,6 +47,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
 
 @EMBEDDED
 def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
+    """Slow for the first embedded test (~3.5 min): the session's one `dvc repro` of the
+    embedded default, which the other tests here and in test_new_node read."""
     repo, out = finished
     assert set(ran_stages(out)) == {
         "curate", "generate@0", "generate@1", "generate@2", "generate@3", "generate_eval",
@@ -235,7 +237,8 @@ def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finis
 
 def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     """The seed's pathology end to end: tiny answers pass generation (guard off, as when the
-    guard's window is not yet full) and validate refuses them; extract never runs."""
+    guard's window is not yet full) and validate refuses them; extract never runs. Slow
+    (~40 s): a pipeline of its own up to validate, since its generate params differ."""
     repo = copy_project(tmp_path)
     run(["draftline", "compose", "generate.max_new_tokens=6", "generate.guard=false"], repo)
     done = run(["dvc", "repro"], repo, check=False)
@@ -326,6 +329,8 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @TWIN
 def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
+    """Slow for the first twin test (~4 min): the twin's one `dvc repro` of the session, which
+    the other twin tests read."""
     repo, out = twin
     assert set(ran_stages(out)) == ALL_STAGES
     assert json.loads((repo / "metrics/validate.json").read_text())["passed"] is True
@@ -405,7 +410,8 @@ def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin,
 
 @TWIN
 def test_the_twin_trains_with_online_features(twin, tmp_path):
-    """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training."""
+    """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training.
+    Slow (~4 min): extract, train and evaluate again, the twin's forward inside every step."""
     repo = shutil.copytree(twin[0], tmp_path / "online", symlinks=True)
     run(["draftline", "compose", "model=tiny_qwen36", "extract.features=online"], repo)
     done = run(["dvc", "repro", "evaluate"], repo)

@@ -61,7 +61,8 @@ def production() -> tuple[dict, dict]:
 def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_target():
     """The b200x8 figures the plan prints for Qwen3.6-27B (shallow target, weights on the meta
     device) against the project's code run on the whole 64-layer target on fake tensors: one
-    extract batch and one online training micro-batch, sharded over 8 processes as trained."""
+    extract batch and one online training micro-batch, sharded over 8 processes as trained.
+    Slow (~1 min): 64 layers of the real shapes through the real code, on fake tensors."""
     composed, profiles = production()
     profile = {**profiles["b200x8"], "name": "b200x8"}
     planned = memory_plan.profile_memory(composed, profile, cache_dir=None)["stages"]

@@ -206,6 +206,8 @@ def test_batched_generation_matches_one_by_one(causal_lm, tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Slow (~2.5 min): the twin rebuilt from code with its whole training run, the only way to
+    show the committed fixture is what the code makes. Built once per module."""
     out = tmp_path_factory.mktemp("rebuild") / "tiny-qwen36"
     tiny_qwen36.build(out, progress=False)
     return out

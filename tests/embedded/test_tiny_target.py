@@ -136,6 +136,8 @@ def test_batched_generation_matches_one_by_one(model, tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Slow (minutes): the embedded target rebuilt from code with its whole training run, the
+    only way to show the committed fixture is what the code makes. Built once per module."""
     out = tmp_path_factory.mktemp("rebuild") / "tiny-target"
     tiny_target.build(out, progress=False)
     return out
@@ -148,6 +150,8 @@ def test_rebuild_reproduces_the_committed_fixture(rebuilt: Path, tiny_target_dir
 
 
 def test_the_rebuilt_model_answers_in_thinking_format(rebuilt: Path, tiny_conf: dict) -> None:
+    """Slow (~1.5 min): greedy answers to every bundled prompt, the rate the embedded default
+    relies on."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(rebuilt).eval()
@@ -159,7 +163,7 @@ def test_the_rebuilt_model_answers_in_thinking_format(rebuilt: Path, tiny_conf: 
 
 def test_a_rebuild_on_the_same_machine_is_byte_identical(tmp_path: Path) -> None:
     """Same software, same processor: every file, weights included, is bit for bit the same
-    (a short build: determinism does not need the full training run)."""
+    (a short build: determinism does not need the full training run; two builds, ~1.5 min)."""
     config = replace(tiny_target.BuildConfig(), steps=12, num_conversations=600)
     for name in ("a", "b"):
         tiny_target.build(tmp_path / name, config, progress=False)

@@ -84,6 +84,8 @@ def make_seed(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
+    """Slow (~1 min, once per module): node A runs curate and two generate shards and salvages
+    them, node B clones, pulls and finishes the pipeline: the story every test here reads."""
     tmp = tmp_path_factory.mktemp("new-node")
     server = S3Server()
     server.start()
@@ -200,7 +202,8 @@ def test_the_resumed_result_equals_one_uninterrupted_run(
     story: Story, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Node B's result against one uninterrupted `dvc repro` of the same project (another
-    local batch size: hardware changes how, never what)."""
+    local batch size: hardware changes how, never what). Slow when it is the first to need the
+    session's embedded run (~3 min): it waits for that run, shared with test_pipeline."""
     reference = embedded_default(tmp_path_factory).snapshot
     resumed = recorded_hashes(story.node_b)
     uninterrupted = {
