@@ -329,7 +329,7 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @TWIN
 def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
-    """Slow for the first twin test (~4 min): the twin's one `dvc repro` of the session, which
+    """Slow for the first twin test (~2.5 min): the twin's one `dvc repro` of the session, which
     the other twin tests read."""
     repo, out = twin
     assert set(ran_stages(out)) == ALL_STAGES
@@ -411,9 +411,12 @@ def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin,
 @TWIN
 def test_the_twin_trains_with_online_features(twin, tmp_path):
     """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training.
-    Slow (~4 min): extract, train and evaluate again, the twin's forward inside every step."""
+    Slow (~1.5 min): extract, train and evaluate again, the twin's forward inside every step.
+    4 epochs: what is tested is that the online path trains (tau at least 1.5 x untrained),
+    not how far."""
     repo = shutil.copytree(twin[0], tmp_path / "online", symlinks=True)
-    run(["draftline", "compose", "model=tiny_qwen36", "extract.features=online"], repo)
+    overrides = ["model=tiny_qwen36", "extract.features=online", "drafter.epochs=4"]
+    run(["draftline", "compose", *overrides], repo)
     done = run(["dvc", "repro", "evaluate"], repo)
     assert {"extract", "train", "evaluate"} <= set(ran_stages(done.stdout))
     ev = json.loads((repo / "metrics/evaluate.json").read_text())
