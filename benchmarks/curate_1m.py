@@ -323,11 +323,12 @@ def main() -> int:
             [
                 sys.executable, "-m", "draftline", "curate", "--no-progress",
                 "--params", str(params_path), "--out", str(work / "curated"),
-                "--metrics", str(work / "curate.json"),
+                "--metrics", str(work / "curate.json"), "--report", str(work / "report.json"),
+                "--run-log", str(work / "run.json"),
             ],
             env,
         )  # fmt: skip
-        metrics = json.loads((work / "curate.json").read_text())
+        metrics = json.loads((work / "run.json").read_text())  # the full record
         print(run.stderr.strip().splitlines()[-1])
         print(
             f"rows read {metrics['rows_read']:,}, kept {metrics['rows_kept']:,}, "

@@ -733,6 +733,8 @@ def stage_args(params: Path, out: Path, metrics: Path) -> argparse.Namespace:
             "--no-progress",
             "--run-log",
             str(metrics.with_suffix(".run.json")),
+            "--report",
+            str(metrics.with_suffix(".report.json")),
         ]  # fmt: skip
     )
 
@@ -771,10 +773,13 @@ def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_t
         f"{example['detail']}\n      {example['raw']}" in err
     )
     assert f"{out}/rejected.parquet" in err and "data.max_reject_rate" in err
+    # The report: results, then the run's identity (what `draftline plan` matches measured
+    # figures on); the DVC metrics: the figures that compare runs.
+    report = json.loads(metrics_path.with_suffix(".report.json").read_text())
+    assert report["rows_rejected"] == 15
+    assert set(report) == {*stage.RESULT_KEYS, "model", "data", "drafter"}
     metrics = json.loads(metrics_path.read_text())
-    # Results, then the run's identity (what `draftline plan` matches measured figures on).
-    assert metrics["rows_rejected"] == 15
-    assert set(metrics) == {*stage.RESULT_KEYS, "model", "data", "drafter"}
+    assert metrics == {k: report[k] for k in stage.COMPARE_KEYS}
     summary = json.loads((out / "summary.json").read_text())  # the details, cached with the data
     assert summary["rejected_by_reason"]["malformed_json"] == 15 and "shard_rows" in summary
 
@@ -782,8 +787,8 @@ def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_t
     assert stage.run(stage_args(params, out, metrics_path)) == 0
     assert "FAILED" not in capsys.readouterr().err
     # The run it measured, for `draftline plan`.
-    metrics = json.loads(metrics_path.read_text())
-    assert (metrics["model"], metrics["data"], metrics["drafter"]) == (
+    report = json.loads(metrics_path.with_suffix(".report.json").read_text())
+    assert (report["model"], report["data"], report["drafter"]) == (
         str(tiny_target_dir),
         "mixed",
         "dflash_tiny",

@@ -273,12 +273,17 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
         "evaluate", f"--params={tmp_path / 'params.yaml'}", f"--eval={eval_file}",
         f"--drafter={tmp_path / 'drafter'}", f"--metrics={tmp_path / 'evaluate.json'}",
         f"--plots={plots}", f"--run-log={tmp_path / 'run.json'}",
+        f"--report={tmp_path / 'report.json'}",
     ])  # fmt: skip
     assert code == 0
     m = json.loads((tmp_path / "run.json").read_text())  # the full record
-    # Optional results (per source, per benchmark file) are absent here.
-    results = [k for k in evaluate_stage.RESULT_KEYS if k in m]
-    assert json.loads((tmp_path / "evaluate.json").read_text()) == {k: m[k] for k in results}
+    # Optional results (per source, per benchmark file) are absent here: the DVC metrics are
+    # tau greedy, sampled and untrained; the report has every result and the identity.
+    assert json.loads((tmp_path / "evaluate.json").read_text()) == {
+        k: m[k] for k in ("tau", "tau_sampled", "tau_untrained")
+    }
+    results = [k for k in (*evaluate_stage.RESULT_KEYS, "model", "data", "drafter") if k in m]
+    assert json.loads((tmp_path / "report.json").read_text()) == {k: m[k] for k in results}
     assert m["num_prompts"] == 5 and m["hardware_profile"] == "cpu"
     for key in ("tau", "tau_untrained", "tau_sampled", "tau_sampled_untrained"):
         assert 1.0 <= m[key] <= B

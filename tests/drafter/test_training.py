@@ -91,6 +91,7 @@ def stage_command(
         sys.executable, "-m", "draftline", "train", "--no-progress",
         f"--params={params}", f"--data={root / 'data'}",
         f"--out={run / 'drafter'}", f"--metrics={run / 'metrics.json'}",
+        f"--report={run / 'report.json'}",
         f"--run-log={run / 'train.json'}", f"--throughput={run / 'throughput.json'}",
         f"--live={run / 'live'}", f"--plots={run / 'plots'}",
         f"--checkpoint={run / 'checkpoint'}",

@@ -411,7 +411,7 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         *SEED,
         "--config-dir",
         str(conf),
-        "--metrics-dir",
+        "--reports-dir",
         str(tmp_path / "none"),
         "--samples",
         "914000",
@@ -517,7 +517,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
             "2500",
             "--prompt-tokens",
             "500",
-            "--metrics-dir",
+            "--reports-dir",
             str(tmp_path / "none"),
         ],
         cwd=repo_root,
@@ -562,7 +562,7 @@ def test_cli_tables_fit_80_columns_with_every_figure_whole(
     """In an 80-column terminal no line is longer and no figure is cut ("$5,1…" once): every
     time and cost of the JSON plan appears whole in the tables."""
     sizes = ["--samples", "914000", "--completion-tokens", "2500", "--prompt-tokens", "500"]
-    args = [*SEED, *sizes, "--metrics-dir", str(run_metrics if from_metrics else tmp_path)]
+    args = [*SEED, *sizes, "--reports-dir", str(run_metrics if from_metrics else tmp_path)]
     if from_metrics:
         args.append("--from-metrics")
     out = _plan_cli(repo_root, *args, columns=80)
@@ -590,7 +590,7 @@ def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_m
         *SEED,
         "--config-dir",
         str(conf),
-        "--metrics-dir",
+        "--reports-dir",
         str(run_metrics),
         "--from-metrics",
     )
@@ -607,7 +607,7 @@ def test_from_metrics_puts_planned_and_measured_side_by_side(capsys, conf, run_m
                 *SEED,
                 "--config-dir",
                 str(conf),
-                "--metrics-dir",
+                "--reports-dir",
                 str(run_metrics),
                 "--from-metrics",
             ]
@@ -626,7 +626,7 @@ def test_from_metrics_without_a_run_names_the_fix(conf, tmp_path):
                 *SEED,
                 "--config-dir",
                 str(conf),
-                "--metrics-dir",
+                "--reports-dir",
                 str(tmp_path),
                 "--from-metrics",
             ]
@@ -655,7 +655,7 @@ def test_plan_reads_params_yaml_and_never_another_runs_metrics(capsys, conf, tmp
     run_params = tmp_path / "params.yaml"
     qwen = ["model=qwen3_8b", "data=sharegpt"]
     run_params.write_text(params.to_yaml(params.compose(qwen, conf), qwen), encoding="utf-8")
-    argv = ["--config-dir", str(conf), "--metrics-dir", str(root), "--params", str(run_params)]
+    argv = ["--config-dir", str(conf), "--reports-dir", str(root), "--params", str(run_params)]
     for plan in (_main_json(capsys, *argv), _main_json(capsys, *qwen, *argv)):
         assert (plan["model"]["name"], plan["data"]) == ("qwen3_8b", "sharegpt")
         assert plan["inputs"]["samples"]["value"] == 914_000
@@ -672,7 +672,7 @@ def test_plan_reads_params_yaml_and_never_another_runs_metrics(capsys, conf, tmp
 def test_measured_figures_need_the_same_model_data_and_drafter(capsys, conf, tmp_path):
     root = tmp_path / "metrics"
     tiny_run_metrics(root, TINY_RUN)
-    argv = ["--config-dir", str(conf), "--metrics-dir", str(root)]
+    argv = ["--config-dir", str(conf), "--reports-dir", str(root)]
     tiny = _main_json(capsys, *argv, "model=tiny")
     assert tiny["inputs"]["samples"]["value"] == 40
     assert tiny["inputs"]["completion_tokens"]["value"] == 90.0
@@ -733,7 +733,7 @@ def test_a_run_log_of_another_run_is_not_merged(capsys, conf, run_metrics, tmp_p
     runs = tmp_path / "runs"
     write_json(runs / "curate.json", {**TINY_RUN, "rows_kept": 330, "seconds": 2.0})
     out = _main_json(
-        capsys, *SEED, "--config-dir", str(conf), "--metrics-dir", str(run_metrics),
+        capsys, *SEED, "--config-dir", str(conf), "--reports-dir", str(run_metrics),
         "--runs-dir", str(runs),
     )  # fmt: skip
     assert out["inputs"]["samples"]["value"] == 1000  # the metrics' own figure, not 330

@@ -1,4 +1,5 @@
-"""Run logs and the throughput file: results to metrics, the whole record to logs/runs."""
+"""Run logs and the throughput file: the figures that compare runs to metrics, every result
+and the identity to reports, the whole record to logs/runs."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from draftline.runtime import run_log
 def args_for(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(
         metrics=str(tmp_path / "metrics/extract.json"),
+        report=str(tmp_path / "reports/extract.json"),
         run_log=str(tmp_path / "logs/runs/extract.json"),
-        throughput=str(tmp_path / "metrics/throughput.json"),
+        throughput=str(tmp_path / "reports/throughput.json"),
     )
 
 
-def test_results_and_identity_go_to_metrics_the_whole_record_to_the_run_log(tmp_path: Path):
+def test_compared_figures_to_metrics_results_and_identity_to_the_report(tmp_path: Path):
+    """The whole record goes to the run log."""
     args = args_for(tmp_path)
-    record = {"num_tokens": 10, "seconds": 2.5, "model": "m", "data": "d", "drafter": "x"}
-    run_log.write(args, "extract", record, ("num_tokens",), 4.0)
-    metrics = json.loads(Path(args.metrics).read_text())
-    assert metrics == {"num_tokens": 10, "model": "m", "data": "d", "drafter": "x"}
+    record = {"num_tokens": 10, "num_packs": 2, "seconds": 2.5, "model": "m", "data": "d",
+              "drafter": "x"}  # fmt: skip
+    run_log.write(args, "extract", record, ("num_tokens", "num_packs"), ("num_tokens",), 4.0)
+    assert json.loads(Path(args.metrics).read_text()) == {"num_tokens": 10}
+    report = json.loads(Path(args.report).read_text())
+    assert report == {"num_tokens": 10, "num_packs": 2, "model": "m", "data": "d", "drafter": "x"}
     assert json.loads(Path(args.run_log).read_text()) == record
     assert json.loads(Path(args.throughput).read_text())["extract"]["tokens_per_s"] == 4.0
 
@@ -48,13 +53,13 @@ def test_a_run_log_that_measured_nothing_keeps_the_last_rate_of_the_same_run(tmp
     only for the same target, data, drafter and hardware."""
     args = args_for(tmp_path)
     same = {"model": "m", "data": "d", "drafter": "x", "hardware_profile": "cpu"}
-    run_log.write(args, "extract", {**same, "tokens_per_s": 500.0}, (), 500.0)
-    run_log.write(args, "extract", {**same, "tokens_per_s": None, "seconds": 0.3}, ())
+    run_log.write(args, "extract", {**same, "tokens_per_s": 500.0}, (), (), 500.0)
+    run_log.write(args, "extract", {**same, "tokens_per_s": None, "seconds": 0.3}, (), ())
     kept = json.loads(Path(args.run_log).read_text())
     assert kept["tokens_per_s"] == 500.0 and kept["tokens_per_s_from"] == "an earlier run"
     assert kept["seconds"] == 0.3  # the rest of the record is this run's
-    run_log.write(args, "extract", {**same, "tokens_per_s": None}, ())
+    run_log.write(args, "extract", {**same, "tokens_per_s": None}, (), ())
     assert json.loads(Path(args.run_log).read_text())["tokens_per_s"] == 500.0
     other = {**same, "model": "other"}
-    run_log.write(args, "extract", {**other, "tokens_per_s": None}, ())
+    run_log.write(args, "extract", {**other, "tokens_per_s": None}, (), ())
     assert json.loads(Path(args.run_log).read_text())["tokens_per_s"] is None

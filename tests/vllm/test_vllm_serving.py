@@ -153,7 +153,7 @@ def test_bench_measures_the_served_acceptance_length_beside_offline_tau(
             "requests": bench["requests"],
             "completion_tokens": bench["completion_tokens"],
         }
-    evaluate = json.loads((repo / "metrics/evaluate.json").read_text())
+    evaluate = json.loads((repo / "reports/evaluate.json").read_text())
     assert bench["offline_tau"] == evaluate["tau"]
     figures["offline_tau"] = evaluate["tau"]
     figures["offline_tau_sampled"] = evaluate["tau_sampled"]

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         **params.identity(p),
     }
-    run_log.write(args, "bench", record, RESULT_KEYS)
+    run_log.write(args, "bench", record, RESULT_KEYS, RESULT_KEYS)
     speed = f", x{record['speedup']:.2f} over the baseline" if record.get("speedup") else ""
     offline_key = "offline_tau_sampled" if sampling.temperature > 0 else "offline_tau"
     beside = (

@@ -4,7 +4,7 @@ Without overrides it plans params.yaml (what `dvc repro` would run); with overri
 composed with them. Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
 `draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500`;
 `draftline plan --from-metrics` after a run puts the plan and the measured figures side by side.
-Measured stage metrics under --metrics-dir, with the run logs under --runs-dir, replace estimates
+Measured stage results under --reports-dir, with the run logs under --runs-dir, replace estimates
 where they exist and were measured on the same target, data and drafter (docs/pipeline.md,
 "Metrics read by `draftline plan`").
 """
@@ -42,11 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b (default: --params)"
     )
     parser.add_argument("--config-dir", default="conf")
-    parser.add_argument("--metrics-dir", default="metrics", help="stage metrics of a run")
+    parser.add_argument(
+        "--reports-dir",
+        default=str(run_log.REPORTS_DIR),
+        help=f"stage results of a run ({run_log.REPORTS_DIR}: git-tracked, each with its identity)",
+    )
     parser.add_argument(
         "--runs-dir",
         help=f"stage run logs (timings, hardware); default: {run_log.RUNS_DIR} beside the "
-        "metrics folder, i.e. of the same checkout",
+        "reports folder, i.e. of the same checkout",
     )
     parser.add_argument(
         "--params", default="params.yaml", help="params to plan when no overrides are given"
@@ -139,12 +143,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         composed = params.load(args.params)
     profiles = hardware.load_profiles(args.config_dir)
-    runs_dir = args.runs_dir or Path(args.metrics_dir).resolve().parent / run_log.RUNS_DIR
-    metrics, notes = read_metrics(args.metrics_dir, runs_dir)
+    runs_dir = args.runs_dir or Path(args.reports_dir).resolve().parent / run_log.RUNS_DIR
+    metrics, notes = read_metrics(args.reports_dir, runs_dir)
     if args.from_metrics and not metrics:
         raise SystemExit(
-            f"no stage metrics under {args.metrics_dir}/: run the pipeline first (dvc repro) "
-            "or point --metrics-dir at a run's metrics"
+            f"no stage results under {args.reports_dir}/: run the pipeline first (dvc repro) "
+            "or point --reports-dir at a run's reports"
         )
     memory = {} if args.no_memory else measure_memory(composed, profiles)
     options = {
@@ -163,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             "schema": planning.SCHEMA,
             "planned": planned,
             "measured": plan,
-            "metrics_files": _metric_files(metrics, args.metrics_dir),
+            "metrics_files": _metric_files(metrics, args.reports_dir),
         }
     else:
         result = plan

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftline.runtime.params import identity as run_identity
-from draftline.runtime.run_log import IDENTITY_KEYS, generation_rate, number_at
+from draftline.runtime.run_log import IDENTITY_KEYS, REPORTS_DIR, generation_rate, number_at
 
 # bf16 features (docs/pipeline.md: feature_dtype bfloat16).
 FEATURE_DTYPE_BYTES = 2
@@ -56,7 +56,7 @@ def feature_bytes_per_token(model: dict[str, Any]) -> int:
 
 def metrics_path(metrics: dict[str, Any], name: str) -> str:
     """Where a stage's metrics were read from, for the sources printed with each figure."""
-    return (metrics.get("paths") or {}).get(name, f"metrics/{name}.json")
+    return (metrics.get("paths") or {}).get(name, f"{REPORTS_DIR.as_posix()}/{name}.json")
 
 
 IDENTITY = IDENTITY_KEYS
@@ -106,7 +106,7 @@ def resolve_inputs(
     else:
         raise SystemExit(
             f"no sample count for data={data_name}: pass --samples N, run the curate stage "
-            f"(metrics/curate.json), or set estimate.samples in conf/data/{data_name}.yaml"
+            f"(reports/curate.json), or set estimate.samples in conf/data/{data_name}.yaml"
         )
     eval_fraction = float(data.get("eval_fraction") or 0.0)
     if samples is None and train is not None:
@@ -130,7 +130,7 @@ def resolve_inputs(
             ),
             (
                 gen_tokens / gen_samples if gen_samples and gen_tokens else None,
-                f"output_tokens / samples over {len(generated)} metrics/generate files",
+                f"output_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
             (
@@ -161,7 +161,7 @@ def resolve_inputs(
             ),
             (
                 gen_prompt / gen_samples if gen_samples and gen_prompt else None,
-                f"prompt_tokens / samples over {len(generated)} metrics/generate files",
+                f"prompt_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
             (

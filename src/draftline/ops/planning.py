@@ -83,7 +83,7 @@ def generation_work(params: dict[str, Any], metrics: dict[str, Any], inputs: Inp
     if last_only:
         turns = Figure(1.0, "data.regenerate_turns: last (the final turn only)", kind="derived")
     elif (value := measured("turns")) is not None:
-        where_measured = f"turns / samples over {len(logs)} metrics/generate files"
+        where_measured = f"turns / samples over {len(logs)} generate run logs"
         turns = Figure(value, where_measured, kind="measured")
     elif estimate.get("turns"):
         turns = Figure(float(estimate["turns"]), f"{where}.turns")
@@ -94,7 +94,7 @@ def generation_work(params: dict[str, Any], metrics: dict[str, Any], inputs: Inp
     if (value := measured("turn_prompt_tokens")) is not None and not last_only:
         prefill = Figure(
             value,
-            f"every turn's prompt / samples over {len(logs)} metrics/generate files",
+            f"every turn's prompt / samples over {len(logs)} generate run logs",
             "measured",
         )
     elif last_only or t <= 1:

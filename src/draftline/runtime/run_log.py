@@ -1,11 +1,15 @@
 """Where a stage run puts what it measured about itself, apart from its results.
 
-DVC metrics (`metrics/<stage>.json`) hold results that compare runs: counts, loss, accuracy,
-tau. They are identical when a stage reruns on the same inputs, so `dvc exp show` stays narrow
-and a rerun dirties no tracked file. Timings, hardware, world size and resume state differ on
-every run: the whole record goes to `logs/runs/` (git-ignored; `draftline salvage` copies it,
-`draftline plan` reads it), and tokens per second, the one figure worth comparing across
-hardware, to `metrics/throughput.json`, the only metrics file a rerun changes.
+Three places, by who reads them:
+- `metrics/<stage>.json`, the DVC metrics: only the figures that compare runs (sizes, losses,
+  tau), so `dvc exp show` shows them first and a handful per stage.
+- `reports/<stage>.json` (git-tracked, not listed by DVC): every result of the run and what it
+  ran on (model, data, drafter), which `draftline plan` checks before using a figure.
+Both are identical when a stage reruns on the same inputs, so a rerun dirties no tracked file.
+- `logs/runs/<stage>.json` (git-ignored; `draftline salvage` copies it, `draftline plan` reads
+  it): the whole record with timings, hardware, world size and resume state, which differ on
+  every run. Tokens per second, the one timing worth comparing across hardware, also goes to
+  `reports/throughput.json`, the only tracked file a rerun changes.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from typing import Any
 from draftline.runtime import atomic
 
 RUNS_DIR = Path("logs/runs")
+REPORTS_DIR = Path("reports")
 # What the run computed on (`draftline.runtime.params.identity`): kept with the results, so
 # `draftline plan` uses a file's figures only for the same target, data and drafter.
 IDENTITY_KEYS = ("model", "data", "drafter")
-THROUGHPUT_PATH = Path("metrics/throughput.json")
+THROUGHPUT_PATH = REPORTS_DIR / "throughput.json"
 
 
 def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
@@ -31,8 +36,16 @@ def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     return {k: record[k] for k in (*keys, *IDENTITY_KEYS) if k in record}
 
 
+def compared(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """The keys of a record that compare runs, in the order given (no identity: the params of
+    the run say what it ran on)."""
+    return {k: record[k] for k in keys if k in record}
+
+
 def add_arguments(parser: argparse.ArgumentParser, stage: str, throughput: bool = False) -> None:
-    """--run-log (and --throughput for stages that measure tokens per second)."""
+    """--report and --run-log (and --throughput for stages that measure tokens per second)."""
+    report = REPORTS_DIR / f"{stage}.json"
+    parser.add_argument("--report", default=str(report), help=f"every result ({report})")
     default = RUNS_DIR / f"{stage}.json"
     parser.add_argument("--run-log", default=str(default), help=f"run record ({default})")
     if throughput:
@@ -46,10 +59,13 @@ def write(
     stage: str,
     record: dict[str, Any],
     result_keys: Iterable[str],
+    compare_keys: Iterable[str],
     tokens_per_s: float | None = None,
 ) -> None:
-    """Results to --metrics, the full record to --run-log, tokens/s to --throughput."""
-    atomic.write_json(args.metrics, results(record, result_keys))
+    """The figures that compare runs to --metrics, the results and identity to --report, the
+    full record to --run-log, tokens/s to --throughput."""
+    atomic.write_json(args.metrics, compared(record, compare_keys))
+    atomic.write_json(args.report, results(record, result_keys))
     if tokens_per_s is None and "tokens_per_s" in record:
         record = {**record, **_earlier_rate(args.run_log, record)}
     atomic.write_json(args.run_log, record)

@@ -26,6 +26,8 @@ METRICS_PATH = "metrics/curate.json"
 SUMMARY_NAME = "summary.json"  # in the output folder: rows per shard (validate), reject reasons
 # What `dvc exp show` compares; the rest (per shard, per reason, lengths) is in the summary.
 RESULT_KEYS = ("rows_read", "rows_kept", "rows_rejected", "reject_rate", "train_rows", "eval_rows")
+# What `dvc exp show` compares (the rest is in reports/curate.json).
+COMPARE_KEYS = ("train_rows", "eval_rows", "reject_rate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         **describe(resolve_profile(params.get("hardware") or {})),
         **params_mod.identity(params),
     }
-    run_log.write(args, "curate", record, RESULT_KEYS)
+    run_log.write(args, "curate", record, RESULT_KEYS, COMPARE_KEYS)
 
     print(
         f"curate: {result.rows_read} rows read, {result.rows_kept} kept "

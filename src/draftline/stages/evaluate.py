@@ -28,6 +28,13 @@ RESULT_KEYS = (
     "tau_no_thinking", "tau_source", "benchmarks", "tau_per_cycle", "num_prompts",
     "continuation_tokens_mean",
 )  # fmt: skip
+# What `dvc exp show` compares: tau greedy and sampled, untrained for scale, and per benchmark,
+# input file and thinking mode where the held-out data has several (the rest is in
+# reports/evaluate.json).
+COMPARE_KEYS = (
+    "tau", "tau_sampled", "tau_untrained", "tau_thinking", "tau_no_thinking", "tau_source",
+    "benchmarks",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             "tau_sampled": report.tau_sampled,
             "num_prompts": len(prompts),
         }
-    run_log.write(args, "evaluate", result, RESULT_KEYS)
+    run_log.write(args, "evaluate", result, RESULT_KEYS, COMPARE_KEYS)
     write_plots(Path(args.plots), reports)
     print(
         f"evaluate: tau {result['tau']:.3f} (untrained {result['tau_untrained']:.3f}, "

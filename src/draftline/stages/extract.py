@@ -22,6 +22,8 @@ RESULT_KEYS = (
     "features", "num_sequences", "num_tokens", "num_supervised_tokens", "num_packs",
     "dropped", "truncated_sequences", "bytes_per_token",
 )  # fmt: skip
+# What `dvc exp show` compares (the rest is in reports/extract.json).
+COMPARE_KEYS = ("num_tokens", "num_supervised_tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if distributed.rank() == 0:
             record = {**metrics(result, profile), **params.identity(p)}
-            run_log.write(args, "extract", record, RESULT_KEYS, record["tokens_per_s"])
+            run_log.write(
+                args, "extract", record, RESULT_KEYS, COMPARE_KEYS, record["tokens_per_s"]
+            )
             idx = result.index
             print(
                 f"extract: {idx['num_sequences']} sequences, {idx['num_tokens']} tokens in "
@@ -136,7 +140,8 @@ def metrics(result: Any, profile: dict[str, Any]) -> dict[str, Any]:
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         f"--params={args.params}", f"--shards={args.shards}", f"--verdict={args.verdict}",
-        f"--out={args.out}", f"--metrics={args.metrics}", f"--run-log={args.run_log}",
+        f"--out={args.out}", f"--metrics={args.metrics}", f"--report={args.report}",
+        f"--run-log={args.run_log}",
         f"--throughput={args.throughput}",
     ]  # fmt: skip
     return [*out, "--no-progress"] if args.no_progress else out

@@ -24,6 +24,8 @@ RESULT_KEYS = (
     "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
     "final_loss", "final_accuracy", "final_accuracy_per_position",
 )  # fmt: skip
+# What `dvc exp show` compares (the rest is in reports/train.json).
+COMPARE_KEYS = ("final_loss", "final_accuracy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
             record = {**metrics(result, hp, options, profile), **params.identity(p)}
-            run_log.write(args, "train", record, RESULT_KEYS, record["tokens_per_s"])
+            run_log.write(args, "train", record, RESULT_KEYS, COMPARE_KEYS, record["tokens_per_s"])
             write_accuracy_per_position(Path(args.plots), result.history)
             last = result.history[-1] if result.history else {}
             print(
@@ -135,7 +137,7 @@ def write_accuracy_per_position(folder: Path, history: list[dict[str, float]]) -
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [
         f"--params={args.params}", f"--data={args.data}", f"--out={args.out}",
-        f"--metrics={args.metrics}", f"--run-log={args.run_log}",
+        f"--metrics={args.metrics}", f"--report={args.report}", f"--run-log={args.run_log}",
         f"--throughput={args.throughput}", f"--live={args.live}", f"--plots={args.plots}",
         f"--checkpoint={args.checkpoint}",
         f"--checkpoint-every={args.checkpoint_every}",

@@ -34,6 +34,8 @@ RESULT_KEYS = (
     "completion_tokens_mean", "completion_tokens_p50", "completion_tokens_p90",
     "completion_tokens_max", "completion_tokens_total", "supervised_tokens_mean",
 )  # fmt: skip
+# What `dvc exp show` compares (the rest is in reports/validate.json).
+COMPARE_KEYS = ("passed", "num_samples", "completion_tokens_mean", "supervised_tokens_mean")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curate-summary", default=CURATE_SUMMARY, help="curated row counts")
     parser.add_argument("--verdict", default=VERDICT_PATH, help="written only when passing")
     parser.add_argument("--metrics", default=METRICS_PATH)
+    report = run_log.REPORTS_DIR / "validate.json"
+    parser.add_argument("--report", default=str(report), help=f"every result ({report})")
     parser.add_argument("--plots", default=PLOTS_DIR)
     parser.add_argument("--reports", default=REPORT_DIR, help="GX results and Data Docs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     # `dvc exp show` would grow with the shard count); the figures that compare runs as metrics.
     metrics.update(params_mod.identity(p))
     atomic.write_json(Path(args.reports) / SUMMARY_NAME, metrics)
-    atomic.write_json(args.metrics, run_log.results(metrics, RESULT_KEYS))
+    atomic.write_json(args.metrics, run_log.compared(metrics, COMPARE_KEYS))
+    atomic.write_json(args.report, run_log.results(metrics, RESULT_KEYS))
     write_plots(Path(args.plots), table)
 
     docs = outcome.docs_index

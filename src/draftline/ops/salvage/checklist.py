@@ -100,8 +100,8 @@ def plan(opts: Options, info: remote.RemoteInfo | None, notes: Path) -> list[str
         "check for stages in flight (DVC rwlock), unfinished generation journals, free disk "
         "space and a writable DVC cache",
         f"snapshot this node into {notes}/NOTES.md and node.json (secrets redacted)",
-        f"copy logs from {', '.join(s + '/' for s in LOG_SOURCES)} and metrics/**/*.json "
-        f"into {notes}/",
+        f"copy logs from {', '.join(s + '/' for s in LOG_SOURCES)}, metrics/**/*.json and "
+        f"reports/*.json into {notes}/",
         "one signed HEAD request on the bucket: are the credentials accepted, is the bucket "
         "there; what the remote holds already (SAFE / WOULD BE LOST / NEVER HERE)",
         f"dvc push --run-cache -r {info.name if info else '?'}   -> {target}",

@@ -54,9 +54,14 @@ def gather_logs(root: Path, dest: Path, secrets: list[str]) -> list[str]:
 
 
 def gather_metrics(root: Path) -> dict[str, Any]:
-    """Every stage metrics file and run log (`metrics/**/*.json`, `logs/runs/**/*.json`)."""
+    """Every stage metrics file, report and run log (`metrics/**/*.json`, `reports/*.json`,
+    `logs/runs/**/*.json`)."""
     found: dict[str, Any] = {}
-    paths = [*(root / "metrics").rglob("*.json"), *(root / "logs" / "runs").rglob("*.json")]
+    paths = [
+        *(root / "metrics").rglob("*.json"),
+        *(root / "reports").glob("*.json"),
+        *(root / "logs" / "runs").rglob("*.json"),
+    ]
     for path in sorted(paths):
         try:
             found[str(path.relative_to(root))] = json.loads(path.read_text(encoding="utf-8"))
