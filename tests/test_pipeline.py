@@ -96,6 +96,8 @@ COMPARED = {
     "metrics/extract.json": {"num_tokens", "num_supervised_tokens"},
     "metrics/train.json": {"final_loss", "final_accuracy"},
     "metrics/evaluate.json": {"tau", "tau_sampled", "tau_untrained"},
+    # bench's folder (a metric before bench ever runs): DVC lists its empty placeholder.
+    "metrics/bench/.gitkeep": set(),
 }  # fmt: skip
 
 
@@ -106,12 +108,13 @@ def leaves(data: object, prefix: str = "") -> list[str]:
 
 
 def tracked_outputs(repo: Path) -> dict[str, bytes]:
-    """Bytes of every file git would track from a run (metrics, plots, dvclive)."""
+    """Bytes of every file git would track from a run (metrics, reports, plots, dvclive); GX's
+    data docs (reports/validate/, ignored by git) carry run ids and times."""
     return {
         str(p.relative_to(repo)): p.read_bytes()
         for top in ("metrics", "reports", "plots", "dvclive")
         for p in sorted((repo / top).rglob("*"))
-        if p.is_file()
+        if p.is_file() and not p.relative_to(repo).is_relative_to("reports/validate")
     }
 
 

@@ -277,10 +277,10 @@ def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):
     ])  # fmt: skip
     assert code == 0
     m = json.loads((tmp_path / "run.json").read_text())  # the full record
-    # Optional results (per source, per benchmark file) are absent here: the DVC metrics are
-    # tau greedy, sampled and untrained; the report has every result and the identity.
+    # The DVC metrics are tau greedy, sampled, untrained and per thinking mode (these rows are a
+    # mix; one input file, no benchmarks); the report has every result and the identity.
     assert json.loads((tmp_path / "evaluate.json").read_text()) == {
-        k: m[k] for k in ("tau", "tau_sampled", "tau_untrained")
+        k: m[k] for k in ("tau", "tau_sampled", "tau_untrained", "tau_thinking", "tau_no_thinking")
     }
     results = [k for k in (*evaluate_stage.RESULT_KEYS, "model", "data", "drafter") if k in m]
     assert json.loads((tmp_path / "report.json").read_text()) == {k: m[k] for k in results}

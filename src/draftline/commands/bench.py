@@ -9,9 +9,10 @@
 Sends the held-out prompts (`data/generated/eval.parquet`, `evaluate.max_prompts` of them, as
 token ids) at the serving temperature (`evaluate.temperature`, top_p, top_k) to both servers and
 records the server's acceptance length, output tokens/s and the speed-up over the baseline in
-`metrics/bench/bench.json` (a DVC metric: `dvc exp show` lists it beside tau); the whole record
-goes to `logs/runs/bench.json`, with evaluate's offline tau and tau_sampled on the same prompts
-(`metrics/evaluate.json`) beside the served acceptance length. Library:
+`metrics/bench/bench.json` (a DVC metric: `dvc exp show` lists it beside tau); every result and
+the model and drafter in `reports/bench.json`; the whole record in `logs/runs/bench.json`, with
+evaluate's offline tau and tau_sampled on the same prompts (`metrics/evaluate.json`) beside the
+served acceptance length. Library:
 `draftline.generation.bench`.
 """
 
