@@ -662,11 +662,14 @@ def test_plan_reads_params_yaml_and_never_another_runs_metrics(capsys, conf, tmp
         b200 = plan["profiles"]["b200x8"]
         assert all(f["kind"] != "measured" for f in b200["throughput"].values())
         assert b200["total"]["offline"]["seconds"] > 3600
-        assert len(plan["notes"]) == 5
-        assert plan["notes"][0] == (
-            f"ignored {(root / 'curate.json').as_posix()}: it does not record the model, data "
-            "and drafter it was measured on (an older draftline wrote it); rerun its stage"
-        )
+        # One note for the run, naming its five files.
+        files = ["curate.json", "validate.json", "extract.json", "train.json"]
+        files.append("generate/shard-0.json")
+        assert plan["notes"] == [
+            f"ignored 5 files ({', '.join((root / f).as_posix() for f in files)}): they do not "
+            "record the model, data and drafter they were measured on (an older draftline wrote "
+            "them); rerun their stages"
+        ]
 
 
 def test_measured_figures_need_the_same_model_data_and_drafter(capsys, conf, tmp_path):
@@ -682,11 +685,9 @@ def test_measured_figures_need_the_same_model_data_and_drafter(capsys, conf, tmp
         plan = _main_json(capsys, *argv, other)
         assert plan["inputs"]["samples"]["kind"] == "estimate", other
         assert plan["profiles"]["b200x8"]["throughput"]["train_tok_s"]["kind"] == "estimate"
-        assert len(plan["notes"]) == 5
-        assert (
-            "measured on model=models/tiny-target data=sample drafter=dflash_tiny, not"
-            in (plan["notes"][0])
-        )
+        [note] = plan["notes"]  # one run: one note
+        assert note.startswith("ignored 5 files (") and note.count(root.as_posix()) == 5
+        assert "measured on model=models/tiny-target data=sample drafter=dflash_tiny, not" in note
 
 
 def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, profiles):

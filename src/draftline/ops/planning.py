@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from draftline.core.target import model_ref
@@ -329,25 +330,49 @@ def build_plan(
     }
 
 
+OLDER = (
+    "it does not record the model, data and drafter it was measured on (an older draftline "
+    "wrote it); rerun its stage"
+)
+OLDER_ALL = (
+    "they do not record the model, data and drafter they were measured on (an older draftline "
+    "wrote them); rerun their stages"
+)
+
+
 def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """One note per run that is not the planned one, naming its files (a run leaves a dozen)."""
     named = {
         metrics_path(metrics, k): metrics.get(k) for k in ("curate", "validate", "extract", "train")
     }
     named.update(metrics.get("generate") or {})
-    notes = []
+    planned = " ".join(f"{k}={wanted[k]}" for k in IDENTITY)
+    runs: dict[str, list[str]] = {}
     for name, m in named.items():
         if not isinstance(m, dict) or usable(m, wanted):
             continue
         if not any(m.get(k) for k in IDENTITY):
-            notes.append(
-                f"ignored {name}: it does not record the model, data and drafter it was "
-                "measured on (an older draftline wrote it); rerun its stage"
-            )
-            continue
-        recorded = " ".join(f"{k}={m.get(k) or '?'}" for k in IDENTITY)
-        planned = " ".join(f"{k}={wanted[k]}" for k in IDENTITY)
-        notes.append(f"ignored {name}: measured on {recorded}, not {planned}")
+            why = OLDER
+        else:
+            recorded = " ".join(f"{k}={m.get(k) or '?'}" for k in IDENTITY)
+            why = f"measured on {recorded}, not {planned}"
+        runs.setdefault(why, []).append(_shown(name))
+    notes = []
+    for why, files in runs.items():
+        if len(files) == 1:
+            notes.append(f"ignored {files[0]}: {why}")
+        else:
+            why = OLDER_ALL if why == OLDER else why
+            notes.append(f"ignored {len(files)} files ({', '.join(files)}): {why}")
     return notes
+
+
+def _shown(path: str) -> str:
+    """A path under the working directory as a relative one: shorter in notes."""
+    try:
+        return Path(path).relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return path
 
 
 def _flags(
