@@ -218,9 +218,11 @@ def test_plan_uses_the_runs_own_metrics_and_not_for_another_target(finished):
     }
     other = json.loads(run(["draftline", "plan", "model=qwen3_8b", "--json"], repo).stdout)
     assert other["inputs"]["samples"]["kind"] == "estimate"
-    assert len(other["notes"]) == 4 + 1 + len(
-        yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"]
-    )  # curate, validate, extract, train; the eval shard and each train shard
+    # One note for the run, naming its files: curate, validate, extract, train; the eval shard
+    # and each train shard.
+    [note] = other["notes"]
+    files = 4 + 1 + len(yaml.safe_load((repo / "params.yaml").read_text())["data"]["shard_ids"])
+    assert note.startswith(f"ignored {files} files (") and "not model=Qwen/Qwen3-8B" in note
 
 
 @EMBEDDED
