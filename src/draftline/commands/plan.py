@@ -298,9 +298,9 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
     # Profiles with no figure for this target (CPU ones before a run there) would be columns of
     # dashes: they are named once instead.
     every = list(plan["profiles"].values())
-    profiles = [p for p in every if any(s["seconds"] is not None for s in p["stages"].values())]
-    unknown = [p for p in every if p not in profiles]
-    profiles = profiles or every
+    known = [p for p in every if any(s["seconds"] is not None for s in p["stages"].values())]
+    unknown = [p["name"] for p in every if p not in known] if known else []
+    profiles = known or every
     rows: list[tuple[str, list[str]]] = [("$/h", [f"{p['price_per_hour']:g}" for p in profiles])]
     rows += [
         (key.replace("_", " "), [_stage_cell(p["stages"][key]) for p in profiles])
@@ -313,11 +313,10 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
     console.print(
         _by_profile(f"Wall time per stage (! over the {limit:g}-day limit)", profiles, rows)
     )
-    if profiles is not every and unknown:
-        names = ", ".join(p["name"] for p in unknown)
+    if unknown:
         console.print(
-            f"[dim]Not shown: {names}: no throughput for this target (measured on a run "
-            "there, or throughput.* in conf/hardware/)[/]"
+            f"[dim]Not shown: {', '.join(unknown)}: no throughput for this target "
+            "(measured on a run there, or throughput.* in conf/hardware/)[/]"
         )
     console.print(generation_line(plan))
 
