@@ -143,7 +143,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         composed = params.load(args.params)
     profiles = hardware.load_profiles(args.config_dir)
-    runs_dir = args.runs_dir or Path(args.reports_dir).resolve().parent / run_log.RUNS_DIR
+    # Beside the reports folder, kept relative when it is (notes name files as the user would).
+    reports = Path(args.reports_dir)
+    runs_dir = args.runs_dir or (reports if reports.name else reports.resolve()).parent / (
+        run_log.RUNS_DIR
+    )
     metrics, notes = read_metrics(args.reports_dir, runs_dir)
     if args.from_metrics and not metrics:
         raise SystemExit(

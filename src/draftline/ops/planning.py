@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from draftline.core.target import model_ref
@@ -356,7 +355,7 @@ def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[st
         else:
             recorded = " ".join(f"{k}={m.get(k) or '?'}" for k in IDENTITY)
             why = f"measured on {recorded}, not {planned}"
-        runs.setdefault(why, []).append(_shown(name))
+        runs.setdefault(why, []).append(name)
     notes = []
     for why, files in runs.items():
         if len(files) == 1:
@@ -365,14 +364,6 @@ def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[st
             why = OLDER_ALL if why == OLDER else why
             notes.append(f"ignored {len(files)} files ({', '.join(files)}): {why}")
     return notes
-
-
-def _shown(path: str) -> str:
-    """A path under the working directory as a relative one: shorter in notes."""
-    try:
-        return Path(path).relative_to(Path.cwd()).as_posix()
-    except ValueError:
-        return path
 
 
 def _flags(
