@@ -213,6 +213,7 @@ def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.rebuild
 def test_rebuild_reproduces_the_committed_twin(rebuilt: Path, profile: dict) -> None:
     """On any CPU: every file but the weights byte-identical, the weights of the same names,
     shapes and dtypes, and a model that answers in thinking format. The weights themselves are

@@ -143,12 +143,14 @@ def rebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.rebuild
 def test_rebuild_reproduces_the_committed_fixture(rebuilt: Path, tiny_target_dir: Path) -> None:
     """On any CPU: configs, tokenizer and template byte-identical, weights within tolerance (the
     float rounding of training differs between processors' kernels)."""
     assert_rebuild_matches(rebuilt, tiny_target_dir)
 
 
+@pytest.mark.rebuild
 def test_the_rebuilt_model_answers_in_thinking_format(rebuilt: Path, tiny_conf: dict) -> None:
     """Slow (~1.5 min): greedy answers to every bundled prompt, the rate the embedded default
     relies on."""
