@@ -49,6 +49,8 @@ def short_error(err: Exception) -> str | None:
 
     if isinstance(err, HydraException):
         return hydra_message(str(err))
+    if full := disk_full(err):
+        return full
     if not isinstance(err, OSError):
         return None
     if "huggingface" in str(err).lower():  # transformers could not load model.path
@@ -63,6 +65,38 @@ def short_error(err: Exception) -> str | None:
     else:
         fix = "check the path and the disk"
     return f"{err.filename}: {err.strerror}; {fix}"
+
+
+# A write the disk or the shell refused: out of space (ENOSPC), over quota (EDQUOT), or over
+# the file-size limit (EFBIG: `ulimit -f`; Python ignores SIGXFSZ, so the write fails instead).
+# pyarrow and safetensors carry the OS's words; torch.save only says its stream failed.
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+FULL_WORDS = ("no space left on device", "disk quota exceeded")
+LIMIT_WORDS = ("file too large",)
+STREAM_WORDS = ("basic_ios::clear: iostream error", "pytorchstreamwriter failed writing")
+FREE = "free space (`df -h .`; `draftline plan` gives each stage's size) and rerun"
+RAISE_LIMIT = "raise the shell's file-size limit (`ulimit -f unlimited`) and rerun"
+
+
+def disk_full(err: BaseException) -> str | None:
+    """One line for a write that failed for want of space, wherever it was raised (an OSError,
+    or pyarrow's, safetensors' or torch's error around one); None for anything else."""
+    seen: BaseException | None = err
+    while seen is not None:
+        text = str(seen).lower()
+        code = getattr(seen, "errno", None) if isinstance(seen, OSError) else None
+        where = f" writing {seen.filename}" if getattr(seen, "filename", None) else ""
+        if code in FULL_ERRNOS or any(w in text for w in FULL_WORDS):
+            return f"a write failed{where}: the disk is full; {FREE}"
+        if code == errno.EFBIG or any(w in text for w in LIMIT_WORDS):
+            return f"a write failed{where}: over the file-size limit (`ulimit -f`); {RAISE_LIMIT}"
+        if any(w in text for w in STREAM_WORDS):
+            return (
+                "a write failed: the disk is full or a file-size limit (`ulimit -f`) applies; "
+                f"{FREE}, or {RAISE_LIMIT.removesuffix(' and rerun')}"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def hydra_message(text: str) -> str:
