@@ -23,7 +23,7 @@ RESULT_KEYS = (
     "dropped", "truncated_sequences", "bytes_per_token",
 )  # fmt: skip
 # What `dvc exp show` compares (the rest is in reports/extract.json).
-COMPARE_KEYS = ("num_tokens", "num_supervised_tokens")
+COMPARE_KEYS = ("num_supervised_tokens", "num_tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

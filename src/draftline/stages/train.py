@@ -24,7 +24,8 @@ RESULT_KEYS = (
     "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
     "final_loss", "final_accuracy", "final_accuracy_per_position",
 )  # fmt: skip
-# What `dvc exp show` compares (the rest is in reports/train.json).
+# What `dvc exp show` compares (the rest is in reports/train.json), in its column order: the
+# final loss comes right after evaluate's tau (dvc.yaml's top-level `metrics:` order).
 COMPARE_KEYS = ("final_loss", "final_accuracy")
 
 
