@@ -19,7 +19,8 @@ from draftline import cli
 from draftline.commands import doctor
 from draftline.runtime import config_values, hardware, params
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+REPO = Path(__file__).resolve().parents[1]
+CONF = str(REPO / "conf")
 
 
 def short(text: str, lines: int = 1) -> str:
@@ -204,3 +205,48 @@ def test_plain_json_in_the_committed_targets(tiny_target_dir: Path) -> None:
 
     assert missing_model({"name": "tiny", "path": str(tiny_target_dir)}) is None
     assert json.loads((tiny_target_dir / "tokenizer.json").read_text())
+
+
+def test_extract_checks_free_space_first_and_names_online_features(tmp_path: Path, monkeypatch):
+    from draftline.drafter import extraction
+    from draftline.runtime import disk_space
+
+    monkeypatch.setattr(
+        disk_space.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 0, 10**9)
+    )
+    pack = extraction.PackPlan(index=0, shard_file=tmp_path / "s.parquet", sequences=[
+        extraction.PlannedSequence(id="a", row=0, num_tokens=100_000)
+    ])  # fmt: skip
+    settings = extraction.ExtractSettings(
+        features="offline", max_length=4096, target_layer_ids=[1, 16, 31, 46, 61],
+        model_ref="m", hidden_size=5120, pack_tokens=32768, tokens_per_batch=4096,
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        extraction.require_space(tmp_path / "extracted", [pack], settings, world=8)
+    assert str(exc.value) == (
+        f"extract (offline features) needs about 41.0 GB in {tmp_path / 'extracted'}, and its "
+        "disk has 1.0 GB free: free space or put data/extracted on a bigger disk (a link), and "
+        "rerun; or train with online features (extract.features=online: token packs only, about "
+        "4.0 MB)"
+    )
+    online = extraction.ExtractSettings(**{**settings.__dict__, "features": "online"})
+    extraction.require_space(tmp_path / "extracted", [pack], online, world=8)  # 4 MB fits
+
+
+def test_generate_checks_free_space_first(tmp_path: Path, tiny_target_dir: Path, monkeypatch):
+    from draftline.runtime import disk_space
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(REPO / "data/sample", tmp_path / "data/sample")
+    overrides = [f"model.path={tiny_target_dir}"]
+    Path("params.yaml").write_text(params.to_yaml(params.compose(overrides, CONF)))
+    assert cli.main(["curate", "--no-progress"]) == 0
+    monkeypatch.setattr(
+        disk_space.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 0, 1000)
+    )
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--shard", "0", "--no-progress"])
+    message = str(exc.value)
+    assert message.startswith("generate shard-0 (") and "and its disk has 1,000 B free" in message
+    assert "x 1.46 turns x 60 tokens) needs about" in message and "bigger disk" in message
+    assert not Path("data/generated").exists()

@@ -39,7 +39,7 @@ from draftline.generation.shards import (
     run_shard,
 )
 from draftline.quality.checks import thinking_enabled
-from draftline.runtime import hardware, params, run_log
+from draftline.runtime import disk_space, hardware, params, run_log
 
 JOURNAL_DIR = Path(".draftline/journal/generate")
 CURATE_SUMMARY = "summary.json"  # curate's, beside its tables (stages/curate.py CURATE_SUMMARY)
@@ -95,6 +95,29 @@ def check_curated(paths: ShardPaths, p: dict[str, Any]) -> None:
         )
 
 
+# Bytes a generated token takes on disk: its id and text in the table, and again in the journal.
+GENERATED_BYTES_PER_TOKEN = 16
+
+
+def check_space(paths: ShardPaths, p: dict[str, Any], work_ahead: int) -> None:
+    """The shard's table and journal (and those of the shards worked ahead on) must fit the
+    disk, at the completion length and turns data.estimate expects."""
+    if not paths.curated.is_file():
+        return  # the stage's own check names what is missing
+    import pyarrow.parquet as pq
+
+    estimate = (p.get("data") or {}).get("estimate") or {}
+    tokens = float(estimate.get("completion_tokens") or p["generate"]["max_new_tokens"])
+    turns = float(estimate.get("turns") or 1)
+    rows = pq.ParquetFile(paths.curated).metadata.num_rows * (1 + work_ahead)
+    disk_space.require_free(
+        paths.output.parent,
+        rows * turns * tokens * GENERATED_BYTES_PER_TOKEN,
+        f"generate {paths.name} ({rows:,} conversations x {turns:g} turns x {tokens:,.0f} tokens)",
+        "free space or put data/generated and .draftline/ on a bigger disk (links), and rerun",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     model, gen = p["model"], p["generate"]
@@ -103,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.eval and args.shard not in (p.get("data") or {}).get("shard_ids", []):
         raise SystemExit(f"generate: shard {args.shard} is not in data.shard_ids")
     check_curated(paths, p)
+    check_space(paths, p, int(profile.get("work_ahead_shards") or 0))
     sampling = sampling_from(gen)
     tokenizer = target.load_tokenizer(model)
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))
