@@ -9,6 +9,18 @@ import importlib
 import os
 import sys
 
+# What `draftline --help` says: for users, in the order a run uses the commands.
+DESCRIPTION = """Train a DFlash drafter for a target model: compose the configuration, check the
+node, plan the run, serve the target, then `dvc repro` runs the stages (curate, generate,
+validate, extract, train, evaluate). `draftline COMMAND --help` explains each command.
+
+  draftline compose hardware=b200x8 model=qwen3_6_27b data=sharegpt drafter=dflash_b16
+  draftline doctor                 # is this node ready for params.yaml?
+  draftline plan                   # time, storage, cost and memory per profile
+  draftline serve start            # the profile's SGLang servers
+  dvc repro                        # every stage; results in reports/, `dvc exp show`
+  draftline salvage                # save everything before the node shuts down"""
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compose": ("draftline.commands.compose", "compose conf/ into params.yaml (Hydra overrides)"),
@@ -33,7 +45,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftline", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="draftline",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--verbose", action="store_true", help="full traceback on errors (anywhere on the line)"
     )
@@ -126,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
 
         stage_inputs.check_from_env()  # before the stage reads anything (--allow-missing)
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"draftline {name}", description=module.__doc__)
+    # The module docstrings are written as they should print: examples one per line.
+    parser = argparse.ArgumentParser(
+        prog=f"draftline {name}",
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:

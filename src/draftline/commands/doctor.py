@@ -41,7 +41,9 @@ MIN_FREE_GB = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default="conf")
+    parser.add_argument(
+        "--config-dir", default="conf", help="the Hydra tree params.yaml was composed from (conf)"
+    )
 
 
 def _version(name: str) -> str | None:

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--benchmarks", default=str(BENCHMARKS_DIR), help="folder of benchmark prompt files"
     )
     parser.add_argument("--drafter", default="models/drafter", help="exported drafter")
-    parser.add_argument("--metrics", default="metrics/evaluate.json")
+    parser.add_argument(
+        "--metrics", default="metrics/evaluate.json", help="metrics file (metrics/evaluate.json)"
+    )
     run_log.add_arguments(parser, "evaluate")
     parser.add_argument("--plots", default="plots/evaluate", help="folder of plot CSVs")
 

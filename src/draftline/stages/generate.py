@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--shard", type=int, help="train shard index (data.shard_ids)")
     which.add_argument("--eval", action="store_true", help="the held-out eval split")
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default="params.yaml", help="params file (params.yaml)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

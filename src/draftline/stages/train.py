@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="composed parameters")
     parser.add_argument("--data", default="data/extracted", help="extracted packs")
     parser.add_argument("--out", default="models/drafter", help="exported drafter folder")
-    parser.add_argument("--metrics", default="metrics/train.json")
+    parser.add_argument(
+        "--metrics", default="metrics/train.json", help="metrics file (metrics/train.json)"
+    )
     run_log.add_arguments(parser, "train", throughput=True)
     parser.add_argument("--live", default="dvclive/train", help="dvclive folder (plots)")
     parser.add_argument("--plots", default="plots/train", help="folder of plot CSVs")
