@@ -14,7 +14,7 @@ import pytest
 
 from draftline import cli
 from draftline.commands import plan as plan_cmd
-from draftline.ops import plan_figures, planning
+from draftline.ops import plan_advice, plan_figures, planning
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -33,7 +33,9 @@ def conf(repo_root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def seed_params(conf: Path) -> dict[str, Any]:
-    return params.compose(SEED, conf)
+    """The seed run's target, trained offline (the 27B's default is online): the plan flags
+    its features' storage."""
+    return params.compose([*SEED, "extract.features=offline"], conf)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +210,23 @@ def test_storage_over_budget_flags_and_recommends_concrete_numbers(seed_plan):
     assert recs["max_length"]["completion_tokens_kept"] == 0
     assert recs["max_length"]["usable"] is False
     assert "too short" in recs["max_length"]["message"]
+
+
+def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(conf, profiles):
+    composed = params.compose(SEED, conf)
+    assert composed["extract"]["features"] == "online"
+    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    assert plan["features"] == "online" and plan["storage"]["over_budget"] is False
+    assert not [f for f in plan["flags"] if f["kind"] == "storage"]
+    kinds = {r["kind"] for r in plan["recommendations"]}
+    assert not kinds & {"online_features", "subset", "max_length"}
+    assert round(plan["storage"]["offline_features_tb"]) == 140  # still said, for comparison
+    # No recommendation is an override the params already hold, whatever its kind.
+    for rec in plan["recommendations"]:
+        assert not plan_advice.is_set(composed, rec.get("override")), rec
+    assert plan_advice.is_set(composed, "extract.features=online")
+    assert plan_advice.is_set(composed, "hardware.activation_checkpointing=false")
+    assert not plan_advice.is_set(composed, "extract.features=offline")
 
 
 def test_max_length_recommendation_is_usable_when_the_budget_allows(seed_params, profiles):

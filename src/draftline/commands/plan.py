@@ -1,12 +1,13 @@
 """Time, storage and cost of a run on each hardware profile, before spending them.
 
 Without overrides it plans params.yaml (what `dvc repro` would run); with overrides, conf/
-composed with them. Examples: `draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16`;
-`draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500`;
-`draftline plan --from-metrics` after a run puts the plan and the measured figures side by side.
-Measured stage results under --reports-dir, with the run logs under --runs-dir, replace estimates
-where they exist and were measured on the same target, data and drafter (docs/pipeline.md,
-"Metrics read by `draftline plan`").
+composed with them. Measured stage results under --reports-dir, with the run logs under
+--runs-dir, replace estimates where they exist and were measured on the same target, data and
+drafter (docs/pipeline.md, "Results read by `draftline plan`"). Examples:
+
+  draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16
+  draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500
+  draftline plan --from-metrics      # after a run: the plan and the measured figures side by side
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_6_27b (default: --params)"
     )
-    parser.add_argument("--config-dir", default="conf")
+    parser.add_argument("--config-dir", default="conf", help="the Hydra tree to compose (conf)")
     parser.add_argument(
         "--reports-dir",
         default=str(run_log.REPORTS_DIR),
@@ -197,13 +198,26 @@ def memory_cache() -> Path:
 def measure_memory(
     composed: dict[str, Any], profiles: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Memory per GPU of every profile, with a status line on stderr while it is measured."""
+    """Memory per GPU of every profile, with progress on stderr while it is measured (a status
+    line on a terminal, a line per measurement otherwise: the first run takes minutes)."""
+    import logging
+
     from rich.console import Console
 
-    with Console(stderr=True).status("memory per GPU (fake tensors)") as status:
+    # Measuring on fake tensors runs the hybrid layers' reference torch code on this machine,
+    # so transformers warns that causal-conv1d and flash-linear-attention are missing ("much
+    # slower"). Neither speed nor this machine's kernels is what the plan reports: silenced
+    # here; `draftline doctor` checks the kernels on the node that runs the stages.
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
+    console = Console(stderr=True)
+    title = f"memory per GPU (fake tensors; remembered in {memory_cache()})"
+    with console.status(title) as status:
 
         def progress(what: str) -> None:
-            status.update(f"memory per GPU (fake tensors): {what}")
+            if console.is_terminal:
+                status.update(f"{title}: {what}")
+            else:
+                console.print(f"plan: measuring {what}", highlight=False)
 
         return {
             name: memory_plan.profile_memory(
@@ -291,13 +305,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         inputs.add_row(*row)
     console.print(inputs)
 
-    s = plan["storage"]
-    over = " [bold red]over budget ![/]" if s["over_budget"] else ""
-    console.print(
-        f"Offline features: [bold]{s['offline_features_tb']:,.1f} TB[/] "
-        f"(budget {s['budget_tb']:g} TB){over}; online token packs "
-        f"{s['online_token_packs_bytes'] / 1e9:,.1f} GB"
-    )
+    console.print(storage_line(plan))
     limit = plan["limits"]["time_limit_days"]
     # Profiles with no figure for this target (CPU ones before a run there) would be columns of
     # dashes: they are named once instead.
@@ -331,6 +339,22 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             console.print(f"  {what}: [bold]{_rate(figure)}[/] [dim]({figure['source']})[/]")
     _print_memory(console, plan)
     _print_advice(console, plan)
+
+
+def storage_line(plan: dict[str, Any]) -> str:
+    """The storage of the feature mode planned first, the other mode's for comparison."""
+    s = plan["storage"]
+    packs = f"{s['online_token_packs_bytes'] / 1e9:,.1f} GB"
+    if plan["features"] == "online":
+        return (
+            f"Online features: token packs [bold]{packs}[/]; offline features would take "
+            f"{s['offline_features_tb']:,.1f} TB (budget {s['budget_tb']:g} TB)"
+        )
+    over = " [bold red]over budget ![/]" if s["over_budget"] else ""
+    return (
+        f"Offline features: [bold]{s['offline_features_tb']:,.1f} TB[/] "
+        f"(budget {s['budget_tb']:g} TB){over}; online token packs {packs}"
+    )
 
 
 def generation_line(plan: dict[str, Any]) -> str:
@@ -384,6 +408,9 @@ def _layout_cell(layout: dict[str, Any] | None) -> str:
     return cell + (" +ac" if layout.get("activation_checkpointing") else "")
 
 
+HELD_ORDER = ("target", "drafter", "target_head", "optimizer")
+
+
 def _print_memory(console: Any, plan: dict[str, Any]) -> None:
     rows = [p for p in plan["profiles"].values() if (p.get("memory") or {}).get("device_bytes")]
     if not rows:
@@ -396,7 +423,10 @@ def _print_memory(console: Any, plan: dict[str, Any]) -> None:
         cells = [_memory_cell(p["memory"]["stages"].get(key)) for p in rows]
         table_rows.append((key.replace("_", " "), cells))
     held = [p["memory"]["stages"].get("train_online", {}).get("resident") or {} for p in rows]
-    for item in dict.fromkeys(k for h in held for k in h):
+    # A fixed order: a figure read back from the memory cache has its keys sorted, a fresh one
+    # has them in the order they were measured, and rows must not move between runs.
+    items = {k for h in held for k in h}
+    for item in sorted(items, key=lambda k: (HELD_ORDER.index(k) if k in HELD_ORDER else 9, k)):
         cells = [f"{h[item] / 2**30:,.1f}" if item in h else "—" for h in held]
         table_rows.append((f"  held: {item.replace('_', ' ')}", cells))
     free = [1 - p["memory"]["stages"]["train_online"]["peak_bytes"] / p["memory"]["device_bytes"]

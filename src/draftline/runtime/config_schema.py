@@ -45,6 +45,7 @@ SCHEMA: Schema = {
         "chat_template_kwargs": OPEN,
         "sampling": {"temperature": None, "top_p": None, "top_k": None},
         "max_new_tokens": None,
+        "features": None,
         "dflash": {
             "num_attention_heads": None,
             "num_key_value_heads": None,

@@ -158,6 +158,7 @@ RULES: dict[str, Rule] = {
     "drafter.grad_clip": positive(null=True),
     "drafter.seed": Rule("int"),
     "model.max_new_tokens": count(),
+    "model.features": choice("offline", "online"),
     "model.num_hidden_layers": count(),
     "model.hidden_size": count(),
     "model.vocab_size": count(),
