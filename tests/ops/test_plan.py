@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from draftline.ops import plan_advice, plan_figures, planning
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
+# The seed run trained on offline features; the 27B's default is online.
+SEED_OFFLINE = [*SEED, "extract.features=offline"]
 # What the stages record of the run they measured (params.identity).
 SEED_RUN = {"model": "Qwen/Qwen3.6-27B@main", "data": "sharegpt", "drafter": "dflash_b16"}
 TINY_RUN = {"model": "models/tiny-target", "data": "sample", "drafter": "dflash_tiny"}
@@ -35,7 +38,7 @@ def conf(repo_root: Path) -> Path:
 def seed_params(conf: Path) -> dict[str, Any]:
     """The seed run's target, trained offline (the 27B's default is online): the plan flags
     its features' storage."""
-    return params.compose([*SEED, "extract.features=offline"], conf)
+    return params.compose(SEED_OFFLINE, conf)
 
 
 @pytest.fixture(scope="module")
@@ -529,7 +532,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
             "-m",
             "draftline",
             "plan",
-            *SEED,
+            *SEED_OFFLINE,
             "--samples",
             "914000",
             "--completion-tokens",
@@ -578,20 +581,29 @@ def _plan_cli(repo_root: Path, *args: str, columns: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("from_metrics", [False, True], ids=["plan", "from-metrics"])
+@pytest.mark.parametrize(
+    ("from_metrics", "columns"),
+    [(False, 80), (True, 80), (False, 120)],
+    ids=["plan", "from-metrics", "plan-120"],
+)
 def test_cli_tables_fit_80_columns_with_every_figure_whole(
-    repo_root, tmp_path, run_metrics, from_metrics
+    repo_root, tmp_path, run_metrics, from_metrics, columns
 ):
-    """In an 80-column terminal no line is longer and no figure is cut ("$5,1…" once): every
-    time and cost of the JSON plan appears whole in the tables."""
+    """In an 80- or 120-column terminal no line is longer and no figure is cut ("$5,1…"
+    once): every time and cost of the JSON plan appears whole in the tables."""
     sizes = ["--samples", "914000", "--completion-tokens", "2500", "--prompt-tokens", "500"]
     args = [*SEED, *sizes, "--reports-dir", str(run_metrics if from_metrics else tmp_path)]
     if from_metrics:
         args.append("--from-metrics")
-    out = _plan_cli(repo_root, *args, columns=80)
-    assert max(len(line) for line in out.splitlines()) <= 80, out
+    out = _plan_cli(repo_root, *args, columns=columns)
+    assert max(len(line) for line in out.splitlines()) <= columns, out
     assert "…" not in out, out
-    result = json.loads(_plan_cli(repo_root, *args, "--json", columns=80))
+    # A throughput figure and its source stay on their row: the source wraps in its column.
+    rates = [line for line in out.splitlines() if line.startswith(" b200x8 generate")]
+    assert not from_metrics or not rates
+    if rates:
+        assert re.match(r" b200x8 generate +[\d,]+ \([\d,]+–[\d,]+\) +conf/hardware/", rates[0])
+    result = json.loads(_plan_cli(repo_root, *args, "--json", columns=columns))
     plans = [result["planned"], result["measured"]] if from_metrics else [result]
     figures = set()
     for plan in plans:

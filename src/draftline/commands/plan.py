@@ -332,11 +332,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         )
     console.print(generation_line(plan))
 
-    console.print("[bold]Throughput[/] (tokens/s)")
-    for p in profiles:
-        for key, figure in p["throughput"].items():
-            what = f"{p['name']} {key.removesuffix('_tok_s')}"
-            console.print(f"  {what}: [bold]{_rate(figure)}[/] [dim]({figure['source']})[/]")
+    console.print(_throughput_grid(profiles))
     _print_memory(console, plan)
     _print_advice(console, plan)
 
@@ -355,6 +351,23 @@ def storage_line(plan: dict[str, Any]) -> str:
         f"Offline features: [bold]{s['offline_features_tb']:,.1f} TB[/] "
         f"(budget {s['budget_tb']:g} TB){over}; online token packs {packs}"
     )
+
+
+def _throughput_grid(profiles: list[dict[str, Any]]) -> Any:
+    """Tokens per second per profile and stage, each source wrapped in its own column, so the
+    lines break cleanly at any width (a figure never splits)."""
+    from rich.table import Table
+
+    grid = Table(title="Throughput (tokens/s)", title_justify="left", box=None, padding=(0, 1))
+    grid.add_column("", no_wrap=True)
+    grid.add_column("", justify="right", no_wrap=True)
+    grid.add_column("", style="dim", overflow="fold", ratio=1)
+    grid.show_header = False
+    for p in profiles:
+        for key, figure in p["throughput"].items():
+            what = f"{p['name']} {key.removesuffix('_tok_s')}"
+            grid.add_row(what, f"[bold]{_rate(figure)}[/]", figure["source"])
+    return grid
 
 
 def generation_line(plan: dict[str, Any]) -> str:
