@@ -15,7 +15,7 @@ import pytest
 
 from draftline import cli
 from draftline.commands import plan as plan_cmd
-from draftline.ops import plan_advice, plan_figures, planning
+from draftline.ops import plan_advice, plan_figures, plan_tables, planning
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -610,10 +610,10 @@ def test_cli_tables_fit_80_columns_with_every_figure_whole(
         for profile in plan["profiles"].values():
             if all(s["seconds"] is None for s in profile["stages"].values()):
                 continue  # no figure at all (CPU for the 27B): named under the table instead
-            figures |= {plan_cmd.duration(s["seconds"]) for s in profile["stages"].values()}
+            figures |= {plan_tables.duration(s["seconds"]) for s in profile["stages"].values()}
             for mode in ("offline", "online"):
-                figures.add(plan_cmd._money(profile["total"][mode]["cost_usd"]))
-                figures.add(plan_cmd.duration(profile["total"][mode]["seconds"]))
+                figures.add(plan_tables._money(profile["total"][mode]["cost_usd"]))
+                figures.add(plan_tables.duration(profile["total"][mode]["seconds"]))
     assert len(figures) > 10
     for figure in figures:
         assert figure in out, figure
