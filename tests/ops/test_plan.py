@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -776,3 +777,24 @@ def test_a_run_log_of_another_run_is_not_merged(capsys, conf, run_metrics, tmp_p
     )  # fmt: skip
     assert out["inputs"]["samples"]["value"] == 1000  # the metrics' own figure, not 330
     assert any("another run" in note for note in out["notes"])
+
+
+def test_memory_rows_keep_their_order_whatever_order_the_figures_come_in():
+    """A measured figure lists what is held in measuring order, one read back from the memory
+    cache in sorted order: the printed rows must not move between the first run and the next."""
+    from rich.console import Console
+
+    def printed(resident: dict[str, int]) -> str:
+        stage = {"peak_bytes": 2**33, "fits": True, "resident": resident}
+        memory = {"device_bytes": 2**36, "layout": None, "stages": {"train_online": stage}}
+        console = Console(width=80, record=True, file=io.StringIO())
+        plan_tables._print_memory(console, {"profiles": {"p": {"name": "p", "memory": memory}}})
+        return console.export_text()
+
+    fresh = {"target": 1, "drafter": 2, "target_head": 3, "optimizer": 4}
+    cached = dict(sorted(fresh.items()))
+    assert list(cached) != list(fresh)
+    assert printed(fresh) == printed(cached)
+    rows = [line.split("held: ")[1].split("│")[0].strip() for line in printed(cached).splitlines()
+            if "held: " in line]  # fmt: skip
+    assert rows == ["target", "drafter", "target head", "optimizer"]
