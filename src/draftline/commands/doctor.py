@@ -1,7 +1,9 @@
 """Check this node before running the pipeline: Python, key packages, git/DVC state, params
-(stale or not), the model path and data sources params.yaml names, credentials for the DVC
-remote, GPUs and the hardware profile `auto` would pick, free disk. Exits 1 when something must
-be fixed; warnings (yellow) do not stop the pipeline.
+(stale or not), the model path (its JSON files whole) and data sources params.yaml names,
+credentials for the DVC remote, GPUs and the hardware profile `auto` would pick, the profile's
+GPU count against this node's, SGLang importable by the Python that will run it
+(`$DRAFTLINE_SGLANG_PYTHON`), the hybrid-layer kernels on a GPU profile, free disk. Exits 1 when
+something must be fixed; warnings (yellow) do not stop the pipeline.
 
 The remote: the pipeline itself runs without one, but `draftline salvage` before a node shuts
 down needs it, and a node is the wrong place to find that out. So credentials for an s3 default
