@@ -155,7 +155,7 @@ RULES: dict[str, Rule] = {
     "drafter.weight_decay": at_least(0),
     "drafter.warmup_ratio": share(),
     "drafter.epochs": positive(),
-    "drafter.grad_clip": positive(null=True),
+    "drafter.grad_clip": positive(),
     "drafter.seed": Rule("int"),
     "model.max_new_tokens": count(),
     "model.features": choice("offline", "online"),
