@@ -109,3 +109,37 @@ def test_a_connection_error_is_not_mistaken_for_a_path(monkeypatch):
     monkeypatch.setattr(atomic, "write_text", refused)
     with pytest.raises(ConnectionRefusedError):
         cli.main(["compose", "--output", "x.yaml", "--config-dir", CONF])
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+    import importlib
+
+    for name, (module, _) in cli.COMMANDS.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(parser)
+        bare = [a.dest for a in parser._actions if a.help is None and a.dest != "help"]
+        assert not bare, (name, bare)
+
+
+@pytest.mark.parametrize("name", ["serve", "bench", "generate", "plan"])
+def test_help_prints_one_example_per_line(name: str, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    text = capsys.readouterr().out
+    examples = [line.strip() for line in text.splitlines() if line.startswith("  draftline ")]
+    assert len(examples) >= 2, text
+    for line in examples:  # one command per line, never two run together
+        assert line.count("draftline ") == 1, line
+
+
+def test_plan_help_names_a_docs_section_that_exists(repo_root: Path, capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    named = re.findall(r'docs/pipeline\.md,\s+"([^"]+)"', capsys.readouterr().out)
+    assert named, "plan --help names no docs section"
+    headings = (repo_root / "docs/pipeline.md").read_text().splitlines()
+    for section in named:
+        assert f"## {section}" in headings, section

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import pytest
 from helpers.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
 from draftline.commands import doctor
+from draftline.core import target
 from draftline.runtime import params
+from draftline.runtime.hardware import GPUInfo
 
 
 @pytest.fixture
@@ -119,3 +122,59 @@ def test_without_an_s3_remote_credentials_are_not_required(node: Path):
     (node / ".dvc" / "config.local").write_text("")
     ok, detail = rows()["remote credentials"]
     assert ok is True and detail.startswith("warning: no DVC remote chosen")
+
+
+def fake_engine_python(folder: Path, modules: list[str]) -> Path:
+    """A real interpreter (this one) whose path also holds empty packages of these names: the
+    separate SGLang environment `$DRAFTLINE_SGLANG_PYTHON` names, without SGLang's GPU code."""
+    for name in modules:
+        (folder / "site" / name).mkdir(parents=True)
+        (folder / "site" / name / "__init__.py").write_text("")
+    script = folder / "python"
+    script.write_text(
+        f'#!/bin/sh\nPYTHONPATH={folder / "site"} exec {sys.executable} "$@"\n', encoding="utf-8"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_a_gpu_profile_is_checked_against_this_node(node: Path, monkeypatch: pytest.MonkeyPatch):
+    compose("hardware=b200x8", "model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16")
+    monkeypatch.setattr(doctor.hardware, "detect_gpus", lambda: [])
+    monkeypatch.setattr(target, "hybrid_kernels_missing", lambda: ["causal-conv1d"])
+    monkeypatch.delenv("DRAFTLINE_SGLANG_PYTHON", raising=False)
+    monkeypatch.delenv("DRAFTLINE_SGLANG_LAUNCHER", raising=False)
+    found = rows()
+    ok, detail = found["hardware=b200x8 GPUs"]
+    assert ok is False and detail.startswith("the profile needs 8 x B200, this node has 0")
+    assert "hardware=cpu" in detail
+    # Hybrid kernels missing on a GPU profile: a warning, not "ok".
+    ok, detail = found["hybrid layers"]
+    assert ok and detail.startswith("warning: causal-conv1d missing")
+    # SGLang is not installed here: the fix names both ways.
+    ok, detail = found["sglang environment"]
+    assert ok is False and "pip install -e '.[sglang]'" in detail
+    assert "DRAFTLINE_SGLANG_PYTHON" in detail
+    # The hub id is not cached: the command suggested is the installed hub CLI's.
+    assert "`hf download Qwen/Qwen3.6-27B`" in found["model path"][1]
+
+    b200 = [GPUInfo("NVIDIA B200", 183359)] * 8
+    monkeypatch.setattr(doctor.hardware, "detect_gpus", lambda: b200)
+    python = fake_engine_python(node.parent / "sglang-env", ["sglang", "sglang_router"])
+    monkeypatch.setenv("DRAFTLINE_SGLANG_PYTHON", str(python))
+    found = rows()
+    assert found["hardware=b200x8 GPUs"] == (True, "8 x B200 (the profile needs 8)")
+    assert found["sglang environment"] == (True, f"{python} imports SGLang")
+    # An environment without the router that DP=8 launches through is named as such.
+    bare = fake_engine_python(node.parent / "bare-env", ["sglang"])
+    monkeypatch.setenv("DRAFTLINE_SGLANG_PYTHON", str(bare))
+    ok, detail = rows()["sglang environment"]
+    assert ok is False
+    assert detail.startswith(f"sglang_router cannot be imported by $DRAFTLINE_SGLANG_PYTHON={bare}")
+
+
+def test_a_cpu_profile_needs_no_gpu_or_engine(node: Path):
+    compose("model=qwen3_6_27b")
+    found = rows()
+    assert not any(k.endswith(" GPUs") or k == "sglang environment" for k in found)
+    assert not found.get("hybrid layers", (True, ""))[1].startswith("warning:")

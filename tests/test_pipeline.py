@@ -56,7 +56,7 @@ def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
     }  # fmt: skip
     verdict = json.loads((repo / "metrics/validate.json").read_text())
     assert verdict["passed"] is True
-    ev = json.loads((repo / "metrics/evaluate.json").read_text())
+    ev = json.loads((repo / "reports/evaluate.json").read_text())
     assert ev["tau"] >= 1.0 and ev["tau_untrained"] >= 1.0
     assert (repo / "models/drafter/config.json").is_file()
     again = run(["dvc", "repro"], repo)
@@ -95,7 +95,7 @@ COMPARED = {
     },
     "metrics/extract.json": {"num_tokens", "num_supervised_tokens"},
     "metrics/train.json": {"final_loss", "final_accuracy"},
-    "metrics/evaluate.json": {"tau", "tau_sampled", "tau_untrained"},
+    "metrics/evaluate.json": {"tau", "tau_sampled"},
     # bench's folder (a metric before bench ever runs): DVC lists its empty placeholder.
     "metrics/bench/.gitkeep": set(),
 }  # fmt: skip
@@ -126,11 +126,13 @@ def test_exp_show_is_narrow_and_a_rerun_changes_no_result(finished):
     assert {path: set(leaves(m["data"])) for path, m in metrics.items()} == COMPARED
     header = run(["dvc", "exp", "show", "--csv"], repo).stdout.splitlines()[0].split(",")
     # The metrics come first, after the experiment's name and dates, each under its own name,
-    # stage by stage (keys sorted: the files are written with sorted keys).
-    assert header[5 : 5 + 14] == [
-        "eval_rows", "reject_rate", "train_rows", "completion_tokens_mean", "num_samples",
-        "passed", "supervised_tokens_mean", "num_supervised_tokens", "num_tokens",
-        "final_accuracy", "final_loss", "tau", "tau_sampled", "tau_untrained",
+    # in dvc.yaml's `metrics:` order and each file's key order: tau, tau_sampled and the final
+    # loss lead (the first 8 columns of a plain `dvc exp show`), then the data stages' figures.
+    assert header[:8] == ["Experiment", "rev", "typ", "Created", "parent", "tau", "tau_sampled",
+                          "final_loss"], header  # fmt: skip
+    assert header[8 : 5 + 13] == [
+        "final_accuracy", "eval_rows", "reject_rate", "train_rows", "completion_tokens_mean",
+        "num_samples", "passed", "supervised_tokens_mean", "num_supervised_tokens", "num_tokens",
     ], header  # fmt: skip
     # Every result and what it ran on are kept beside them, tracked; timings outside git.
     report = json.loads((repo / "reports/curate.json").read_text())
@@ -362,7 +364,7 @@ def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
     block = config["block_size"]
     assert 1.0 <= ev["tau_sampled_untrained"] < ev["tau_sampled"] <= block, ev
     shown = run(["dvc", "exp", "show", "--json"], repo).stdout
-    assert "tau_untrained" in shown and "tau_sampled" in shown
+    assert '"tau"' in shown and "tau_sampled" in shown and "final_loss" in shown
 
 
 def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
@@ -439,7 +441,7 @@ def test_the_twin_trains_with_online_features(twin, tmp_path):
     run(["draftline", "compose", *overrides], repo)
     done = run(["dvc", "repro", "evaluate"], repo)
     assert {"extract", "train", "evaluate"} <= set(ran_stages(done.stdout))
-    ev = json.loads((repo / "metrics/evaluate.json").read_text())
+    ev = json.loads((repo / "reports/evaluate.json").read_text())
     assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
 
 

@@ -9,6 +9,18 @@ import importlib
 import os
 import sys
 
+# What `draftline --help` says: for users, in the order a run uses the commands.
+DESCRIPTION = """Train a DFlash drafter for a target model: compose the configuration, check the
+node, plan the run, serve the target, then `dvc repro` runs the stages (curate, generate,
+validate, extract, train, evaluate). `draftline COMMAND --help` explains each command.
+
+  draftline compose hardware=b200x8 model=qwen3_6_27b data=sharegpt drafter=dflash_b16
+  draftline doctor                 # is this node ready for params.yaml?
+  draftline plan                   # time, storage, cost and memory per profile
+  draftline serve start            # the profile's SGLang servers
+  dvc repro                        # every stage; results in reports/, `dvc exp show`
+  draftline salvage                # save everything before the node shuts down"""
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compose": ("draftline.commands.compose", "compose conf/ into params.yaml (Hydra overrides)"),
@@ -33,7 +45,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftline", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="draftline",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--verbose", action="store_true", help="full traceback on errors (anywhere on the line)"
     )
@@ -49,6 +65,8 @@ def short_error(err: Exception) -> str | None:
 
     if isinstance(err, HydraException):
         return hydra_message(str(err))
+    if full := disk_full(err):
+        return full
     if not isinstance(err, OSError):
         return None
     if "huggingface" in str(err).lower():  # transformers could not load model.path
@@ -63,6 +81,38 @@ def short_error(err: Exception) -> str | None:
     else:
         fix = "check the path and the disk"
     return f"{err.filename}: {err.strerror}; {fix}"
+
+
+# A write the disk or the shell refused: out of space (ENOSPC), over quota (EDQUOT), or over
+# the file-size limit (EFBIG: `ulimit -f`; Python ignores SIGXFSZ, so the write fails instead).
+# pyarrow and safetensors carry the OS's words; torch.save only says its stream failed.
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+FULL_WORDS = ("no space left on device", "disk quota exceeded")
+LIMIT_WORDS = ("file too large",)
+STREAM_WORDS = ("basic_ios::clear: iostream error", "pytorchstreamwriter failed writing")
+FREE = "free space (`df -h .`; `draftline plan` gives each stage's size) and rerun"
+RAISE_LIMIT = "raise the shell's file-size limit (`ulimit -f unlimited`) and rerun"
+
+
+def disk_full(err: BaseException) -> str | None:
+    """One line for a write that failed for want of space, wherever it was raised (an OSError,
+    or pyarrow's, safetensors' or torch's error around one); None for anything else."""
+    seen: BaseException | None = err
+    while seen is not None:
+        text = str(seen).lower()
+        code = getattr(seen, "errno", None) if isinstance(seen, OSError) else None
+        where = f" writing {seen.filename}" if getattr(seen, "filename", None) else ""
+        if code in FULL_ERRNOS or any(w in text for w in FULL_WORDS):
+            return f"a write failed{where}: the disk is full; {FREE}"
+        if code == errno.EFBIG or any(w in text for w in LIMIT_WORDS):
+            return f"a write failed{where}: over the file-size limit (`ulimit -f`); {RAISE_LIMIT}"
+        if any(w in text for w in STREAM_WORDS):
+            return (
+                "a write failed: the disk is full or a file-size limit (`ulimit -f`) applies; "
+                f"{FREE}, or {RAISE_LIMIT.removesuffix(' and rerun')}"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def hydra_message(text: str) -> str:
@@ -92,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
 
         stage_inputs.check_from_env()  # before the stage reads anything (--allow-missing)
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"draftline {name}", description=module.__doc__)
+    # The module docstrings are written as they should print: examples one per line.
+    parser = argparse.ArgumentParser(
+        prog=f"draftline {name}",
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:

@@ -13,6 +13,7 @@ of a real node: the process group, the pid file, the log under logs/serve/, the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -227,6 +228,23 @@ def test_cli_dry_run_prints_the_profile_command(tmp_path, name):
 def test_cli_refuses_the_cpu_profile(tmp_path):
     rc, out = serve(workdir(tmp_path, "cpu"), "start")
     assert rc == 1 and "SGLang is not for hardware profile 'cpu'" in out
+
+
+def test_start_without_sglang_names_the_fix_in_one_line(tmp_path):
+    """SGLang is not installed in this environment (it needs a GPU): `serve start` says so and
+    how to fix it, instead of the server dying with ModuleNotFoundError in its log."""
+    assert importlib.util.find_spec("sglang") is None
+    root = workdir(tmp_path, "pro6000x4")
+    rc, out = serve(
+        root, "start", env={"DRAFTLINE_SGLANG_LAUNCHER": "", "DRAFTLINE_SGLANG_PYTHON": ""}
+    )
+    assert rc == 1 and "ModuleNotFoundError" not in out and "Traceback" not in out
+    assert out.strip().splitlines() == [
+        f"serve start failed: sglang and sglang_router cannot be imported by this Python "
+        f"({sys.executable}): pip install -e '.[sglang]' there, or set DRAFTLINE_SGLANG_PYTHON "
+        "to the python of the environment that has SGLang (README: GPU node with SGLang)"
+    ]
+    assert not (root / "logs").exists()  # nothing was started
 
 
 # Lifecycle with the stand-in launcher.

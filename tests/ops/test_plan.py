@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,12 @@ import pytest
 
 from draftline import cli
 from draftline.commands import plan as plan_cmd
-from draftline.ops import plan_figures, planning
+from draftline.ops import plan_advice, plan_figures, plan_tables, planning
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
+# The seed run trained on offline features; the 27B's default is online.
+SEED_OFFLINE = [*SEED, "extract.features=offline"]
 # What the stages record of the run they measured (params.identity).
 SEED_RUN = {"model": "Qwen/Qwen3.6-27B@main", "data": "sharegpt", "drafter": "dflash_b16"}
 TINY_RUN = {"model": "models/tiny-target", "data": "sample", "drafter": "dflash_tiny"}
@@ -33,7 +37,9 @@ def conf(repo_root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def seed_params(conf: Path) -> dict[str, Any]:
-    return params.compose(SEED, conf)
+    """The seed run's target, trained offline (the 27B's default is online): the plan flags
+    its features' storage."""
+    return params.compose(SEED_OFFLINE, conf)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +214,23 @@ def test_storage_over_budget_flags_and_recommends_concrete_numbers(seed_plan):
     assert recs["max_length"]["completion_tokens_kept"] == 0
     assert recs["max_length"]["usable"] is False
     assert "too short" in recs["max_length"]["message"]
+
+
+def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(conf, profiles):
+    composed = params.compose(SEED, conf)
+    assert composed["extract"]["features"] == "online"
+    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    assert plan["features"] == "online" and plan["storage"]["over_budget"] is False
+    assert not [f for f in plan["flags"] if f["kind"] == "storage"]
+    kinds = {r["kind"] for r in plan["recommendations"]}
+    assert not kinds & {"online_features", "subset", "max_length"}
+    assert round(plan["storage"]["offline_features_tb"]) == 140  # still said, for comparison
+    # No recommendation is an override the params already hold, whatever its kind.
+    for rec in plan["recommendations"]:
+        assert not plan_advice.is_set(composed, rec.get("override")), rec
+    assert plan_advice.is_set(composed, "extract.features=online")
+    assert plan_advice.is_set(composed, "hardware.activation_checkpointing=false")
+    assert not plan_advice.is_set(composed, "extract.features=offline")
 
 
 def test_max_length_recommendation_is_usable_when_the_budget_allows(seed_params, profiles):
@@ -510,7 +533,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
             "-m",
             "draftline",
             "plan",
-            *SEED,
+            *SEED_OFFLINE,
             "--samples",
             "914000",
             "--completion-tokens",
@@ -559,30 +582,39 @@ def _plan_cli(repo_root: Path, *args: str, columns: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("from_metrics", [False, True], ids=["plan", "from-metrics"])
+@pytest.mark.parametrize(
+    ("from_metrics", "columns"),
+    [(False, 80), (True, 80), (False, 120)],
+    ids=["plan", "from-metrics", "plan-120"],
+)
 def test_cli_tables_fit_80_columns_with_every_figure_whole(
-    repo_root, tmp_path, run_metrics, from_metrics
+    repo_root, tmp_path, run_metrics, from_metrics, columns
 ):
-    """In an 80-column terminal no line is longer and no figure is cut ("$5,1…" once): every
-    time and cost of the JSON plan appears whole in the tables."""
+    """In an 80- or 120-column terminal no line is longer and no figure is cut ("$5,1…"
+    once): every time and cost of the JSON plan appears whole in the tables."""
     sizes = ["--samples", "914000", "--completion-tokens", "2500", "--prompt-tokens", "500"]
     args = [*SEED, *sizes, "--reports-dir", str(run_metrics if from_metrics else tmp_path)]
     if from_metrics:
         args.append("--from-metrics")
-    out = _plan_cli(repo_root, *args, columns=80)
-    assert max(len(line) for line in out.splitlines()) <= 80, out
+    out = _plan_cli(repo_root, *args, columns=columns)
+    assert max(len(line) for line in out.splitlines()) <= columns, out
     assert "…" not in out, out
-    result = json.loads(_plan_cli(repo_root, *args, "--json", columns=80))
+    # A throughput figure and its source stay on their row: the source wraps in its column.
+    rates = [line for line in out.splitlines() if line.startswith(" b200x8 generate")]
+    assert not from_metrics or not rates
+    if rates:
+        assert re.match(r" b200x8 generate +[\d,]+ \([\d,]+–[\d,]+\) +conf/hardware/", rates[0])
+    result = json.loads(_plan_cli(repo_root, *args, "--json", columns=columns))
     plans = [result["planned"], result["measured"]] if from_metrics else [result]
     figures = set()
     for plan in plans:
         for profile in plan["profiles"].values():
             if all(s["seconds"] is None for s in profile["stages"].values()):
                 continue  # no figure at all (CPU for the 27B): named under the table instead
-            figures |= {plan_cmd.duration(s["seconds"]) for s in profile["stages"].values()}
+            figures |= {plan_tables.duration(s["seconds"]) for s in profile["stages"].values()}
             for mode in ("offline", "online"):
-                figures.add(plan_cmd._money(profile["total"][mode]["cost_usd"]))
-                figures.add(plan_cmd.duration(profile["total"][mode]["seconds"]))
+                figures.add(plan_tables._money(profile["total"][mode]["cost_usd"]))
+                figures.add(plan_tables.duration(profile["total"][mode]["seconds"]))
     assert len(figures) > 10
     for figure in figures:
         assert figure in out, figure
@@ -745,3 +777,24 @@ def test_a_run_log_of_another_run_is_not_merged(capsys, conf, run_metrics, tmp_p
     )  # fmt: skip
     assert out["inputs"]["samples"]["value"] == 1000  # the metrics' own figure, not 330
     assert any("another run" in note for note in out["notes"])
+
+
+def test_memory_rows_keep_their_order_whatever_order_the_figures_come_in():
+    """A measured figure lists what is held in measuring order, one read back from the memory
+    cache in sorted order: the printed rows must not move between the first run and the next."""
+    from rich.console import Console
+
+    def printed(resident: dict[str, int]) -> str:
+        stage = {"peak_bytes": 2**33, "fits": True, "resident": resident}
+        memory = {"device_bytes": 2**36, "layout": None, "stages": {"train_online": stage}}
+        console = Console(width=80, record=True, file=io.StringIO())
+        plan_tables._print_memory(console, {"profiles": {"p": {"name": "p", "memory": memory}}})
+        return console.export_text()
+
+    fresh = {"target": 1, "drafter": 2, "target_head": 3, "optimizer": 4}
+    cached = dict(sorted(fresh.items()))
+    assert list(cached) != list(fresh)
+    assert printed(fresh) == printed(cached)
+    rows = [line.split("held: ")[1].split("│")[0].strip() for line in printed(cached).splitlines()
+            if "held: " in line]  # fmt: skip
+    assert rows == ["target", "drafter", "target head", "optimizer"]

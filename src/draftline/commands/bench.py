@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offline", default="metrics/evaluate.json", help="evaluate's metrics: the offline tau"
     )
-    parser.add_argument("--metrics", default="metrics/bench/bench.json")
+    parser.add_argument(
+        "--metrics", default="metrics/bench/bench.json", help="metrics file (a DVC metric)"
+    )
     run_log.add_arguments(parser, "bench")
 
 

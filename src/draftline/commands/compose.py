@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", default="params.yaml", help="file to write (params.yaml); - for stdout"
     )
-    parser.add_argument("--config-dir", default="conf")
+    parser.add_argument("--config-dir", default="conf", help="the Hydra tree (conf)")
     parser.add_argument(
         "--check",
         action="store_true",

@@ -1,7 +1,9 @@
 """Check this node before running the pipeline: Python, key packages, git/DVC state, params
-(stale or not), the model path and data sources params.yaml names, credentials for the DVC
-remote, GPUs and the hardware profile `auto` would pick, free disk. Exits 1 when something must
-be fixed; warnings (yellow) do not stop the pipeline.
+(stale or not), the model path (its JSON files whole) and data sources params.yaml names,
+credentials for the DVC remote, GPUs and the hardware profile `auto` would pick, the profile's
+GPU count against this node's, SGLang importable by the Python that will run it
+(`$DRAFTLINE_SGLANG_PYTHON`), the hybrid-layer kernels on a GPU profile, free disk. Exits 1 when
+something must be fixed; warnings (yellow) do not stop the pipeline.
 
 The remote: the pipeline itself runs without one, but `draftline salvage` before a node shuts
 down needs it, and a node is the wrong place to find that out. So credentials for an s3 default
@@ -41,7 +43,9 @@ MIN_FREE_GB = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default="conf")
+    parser.add_argument(
+        "--config-dir", default="conf", help="the Hydra tree params.yaml was composed from (conf)"
+    )
 
 
 def _version(name: str) -> str | None:
@@ -65,7 +69,9 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
             (
                 name,
                 True,
-                ver or "not installed (only needed on GPU nodes: pip install -e '.[sglang]')",
+                ver
+                or "not installed here (only needed on GPU nodes: pip install -e '.[sglang]', "
+                "or SGLang in its own environment named by $DRAFTLINE_SGLANG_PYTHON)",
             )
         )
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -85,12 +91,15 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
         rows.append(_model_row(run_params.get("model") or {}))
         rows.append(_data_row(run_params.get("data") or {}))
     rows.append(_remote_row(Path(".")))
-    rows.extend(_hybrid_rows(run_params))
     gpus = hardware.detect_gpus()
     chosen = hardware.match_profile(gpus, hardware.load_profiles(config_dir))
+    profile = _profile(run_params, config_dir)
+    rows.extend(_hybrid_rows(run_params, profile))
     gpu_text = ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) or "none"
     rows.append(("gpus", True, f"{len(gpus)}: {gpu_text}"))
     rows.append(("hardware=auto picks", True, chosen))
+    rows.extend(_gpu_count_rows(profile, gpus, chosen))
+    rows.extend(_engine_rows(profile))
     free_gb = shutil.disk_usage(".").free / 1e9
     rows.append(
         (
@@ -102,22 +111,70 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
     return rows
 
 
-def _hybrid_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+def _profile(run_params: dict[str, Any] | None, config_dir: str) -> dict[str, Any] | None:
+    """The hardware profile the stages would run on here (`auto` resolved on this node)."""
+    profile = (run_params or {}).get("hardware")
+    return hardware.resolve_profile(profile, config_dir) if profile else None
+
+
+def _gpu_count_rows(
+    profile: dict[str, Any] | None, gpus: list[hardware.GPUInfo], chosen: str
+) -> list[tuple[str, bool, str]]:
+    """The profile's GPUs against this node's: a b200x8 plan on a node without 8 B200s fails."""
+    profile = profile or {}
+    gpu = profile.get("gpu")
+    if not gpu:
+        return []
+    name, count = str(gpu.get("name")), int(gpu.get("count") or 1)
+    matching = [g for g in gpus if name.lower() in g.name.lower()]
+    what = f"hardware={profile.get('name')} GPUs"
+    if len(matching) >= count:
+        return [(what, True, f"{len(matching)} x {name} (the profile needs {count})")]
+    return [
+        (
+            what,
+            False,
+            f"the profile needs {count} x {name}, this node has {len(matching)} (of "
+            f"{len(gpus)} GPUs): compose the profile of this node (`draftline compose "
+            f"hardware={chosen} ...`, or hardware=auto), or run on the node the profile names",
+        )
+    ]
+
+
+def _engine_rows(profile: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """SGLang importable by the Python that will run it (`$DRAFTLINE_SGLANG_PYTHON`, else this
+    one), for a profile that generates with it: checked here, not in the server's log."""
+    if not profile or profile.get("engine") != "sglang" or not profile.get("sglang"):
+        return []
+    from draftline.generation import sglang_server
+
+    if message := sglang_server.missing_engine(profile):
+        return [("sglang environment", False, message)]
+    python = sglang_server.engine_python()
+    return [("sglang environment", True, f"{python} imports SGLang")]
+
+
+def _hybrid_rows(
+    run_params: dict[str, Any] | None, profile: dict[str, Any] | None = None
+) -> list[tuple[str, bool, str]]:
     """A hybrid target (Gated DeltaNet layers) without the fast kernels runs a slow torch
-    fallback: said, not failed (a CPU node has no use for GPU kernels)."""
+    fallback: a warning on a GPU profile (extract and online training run the target here), a
+    note on a CPU one (which has no use for GPU kernels)."""
     model = (run_params or {}).get("model") or {}
     if not model.get("hybrid"):
         return []
     from draftline.core.target import hybrid_kernels_missing
 
     missing = hybrid_kernels_missing()
+    if not missing:
+        return [("hybrid layers", True, "fast kernels installed")]
+    gpu = (profile or {}).get("device") == "cuda"
     detail = (
-        "fast kernels installed"
-        if not missing
-        else f"{', '.join(missing)} missing: the hybrid layers of {model.get('name')} run on "
-        "the slow torch fallback; on GPU nodes pip install -e '.[hybrid]'"
+        f"{', '.join(missing)} missing: the hybrid layers of {model.get('name')} run on "
+        "the slow torch fallback; "
+        + ("pip install -e '.[hybrid]'" if gpu else "on GPU nodes pip install -e '.[hybrid]'")
     )
-    return [("hybrid layers", True, detail)]
+    return [("hybrid layers", True, f"warning: {detail}" if gpu else detail)]
 
 
 def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] | None]:
@@ -164,7 +221,17 @@ def _model_row(model: dict[str, Any]) -> tuple[str, bool, str]:
         "model path",
         True,
         f"warning: {target.model_ref(model)} is not in the Hugging Face cache: it downloads on "
-        f"first use (needs the network; `huggingface-cli download {path}` to fetch it now)",
+        f"first use (needs the network; `{_hub_cli()} download {path}` to fetch it now)",
+    )
+
+
+def _hub_cli() -> str:
+    """The hub's command line as installed: `hf` (huggingface-hub >= 0.34; 1.x ships no
+    `huggingface-cli`), else the older `huggingface-cli`."""
+    return (
+        "huggingface-cli"
+        if shutil.which("hf") is None and shutil.which("huggingface-cli")
+        else "hf"
     )
 
 

@@ -25,7 +25,9 @@ from draftline.runtime import hardware, params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["start", "stop", "status"])
+    parser.add_argument(
+        "action", choices=["start", "stop", "status"], help="start, stop or list the servers"
+    )
     parser.add_argument("--params", default="params.yaml", help="composed params (model, hardware)")
     parser.add_argument(
         "--hardware", default=None, help="profile name in conf/hardware (default: params.yaml's)"

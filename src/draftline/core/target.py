@@ -39,13 +39,42 @@ def missing_model(model: dict[str, Any]) -> str | None:
         return None
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
-        return None
+        return _broken_file(folder)
     what = "does not exist" if not folder.exists() else "has no config.json"
     return (
         f"model.path {path} {what}: point it at a Hugging Face model folder or hub id "
         f"(`draftline compose model={model.get('name')} model.path=/path/to/model` "
         f"or path in conf/model/{model.get('name')}.yaml)"
     )
+
+
+# The JSON files of a model folder: one cut short by an interrupted copy fails here in one line,
+# not as a JSONDecodeError deep inside transformers.
+MODEL_JSON_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+)
+
+
+def _broken_file(folder: Path) -> str | None:
+    import json
+
+    for name in MODEL_JSON_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_bytes())
+        except (ValueError, UnicodeDecodeError) as err:
+            return (
+                f"model.path {folder}: {name} is not valid JSON ({err}), so the folder is cut "
+                f"short or corrupt: copy it again, or download it again (`hf download ORG/NAME "
+                f"--local-dir {folder}`)"
+            )
+    return None
 
 
 def require_model(model: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import torch
 from draftline.core.loss_mask import loss_mask
 from draftline.drafter.features import target_layer_states
 from draftline.drafter.packs import INDEX_NAME
-from draftline.runtime import distributed
+from draftline.runtime import disk_space, distributed
 from draftline.runtime.atomic import write_json, write_safetensors
 
 FORMAT_VERSION = 1
@@ -265,6 +265,27 @@ def clean_output(out_dir: Path, plan: Plan) -> None:
             path.unlink()
 
 
+# Bytes per token of a pack beyond its features: token id and loss mask (int32 + uint8).
+PACK_BYTES_PER_TOKEN = 5
+
+
+def require_space(
+    out_dir: Path, todo: Sequence[PackPlan], settings: ExtractSettings, world: int
+) -> None:
+    """The packs left to write (this rank's share times the ranks) must fit the disk."""
+    per_token = PACK_BYTES_PER_TOKEN
+    if settings.features == "offline":
+        per_token += len(settings.target_layer_ids) * settings.hidden_size * 2  # bf16
+    needed = sum(p.num_tokens for p in todo) * per_token * world
+    fix = "free space or put data/extracted on a bigger disk (a link), and rerun"
+    if settings.features == "offline":
+        fix += (
+            "; or train with online features (extract.features=online: token packs only, "
+            f"about {disk_space.human(needed * PACK_BYTES_PER_TOKEN / per_token)})"
+        )
+    disk_space.require_free(out_dir, needed, f"extract ({settings.features} features)", fix)
+
+
 def extract(
     shard_files: Sequence[Path],
     out_dir: Path,
@@ -296,6 +317,7 @@ def extract(
 
     mine = [p for p in plan.packs if p.index % world == rank]
     todo = [p for p in mine if not pack_is_complete(out_dir / p.file, fingerprint(p, settings))]
+    require_space(out_dir, todo, settings, world)
     model = None
     if todo and settings.features == "offline":
         if model_loader is None:

@@ -64,6 +64,54 @@ def bind_port(profile: dict[str, Any], port: int | None = None) -> int:
     return int(port or sglang_settings(profile).get("port") or 30000)
 
 
+def engine_python() -> str:
+    """The Python that runs SGLang: `$DRAFTLINE_SGLANG_PYTHON`, else this one."""
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def missing_engine(profile: dict[str, Any]) -> str | None:
+    """Why the profile's SGLang cannot start from this node's Python, with the fix; None when
+    its modules import (or `$DRAFTLINE_SGLANG_LAUNCHER` replaces the Python command)."""
+    if os.environ.get(LAUNCHER_ENV, "").strip():
+        return None
+    modules = (
+        ["sglang", "sglang_router"]
+        if int(sglang_settings(profile).get("dp_size") or 1) > 1
+        else ["sglang"]
+    )
+    python = engine_python()
+    if python == sys.executable:
+        import importlib.util
+
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    else:
+        missing = _missing_in(python, modules)
+    if not missing:
+        return None
+    where = f"${PYTHON_ENV}={python}" if python != sys.executable else f"this Python ({python})"
+    return (
+        f"{' and '.join(missing)} cannot be imported by {where}: pip install -e '.[sglang]' "
+        f"there, or set {PYTHON_ENV} to the python of the environment that has SGLang "
+        "(README: GPU node with SGLang)"
+    )
+
+
+def _missing_in(python: str, modules: list[str]) -> list[str]:
+    import subprocess
+
+    probe = (
+        "import importlib.util as u, sys; "
+        "print(' '.join(m for m in sys.argv[1:] if not u.find_spec(m)))"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-c", probe, *modules], capture_output=True, text=True, timeout=60
+        )
+    except OSError:
+        return modules  # no such interpreter
+    return out.stdout.split() if out.returncode == 0 else modules
+
+
 def server_command(
     profile: dict[str, Any],
     model: dict[str, Any],
@@ -180,7 +228,10 @@ def start(
     root: Path = Path("."),
     env: dict[str, str] | None = None,
 ) -> ServerState:
-    """Start one SGLang server and wait until `/health` answers (`server_process.launch`)."""
+    """Start one SGLang server and wait until `/health` answers (`server_process.launch`);
+    a Python without SGLang fails first, naming the fix (not in the server's log)."""
+    if message := missing_engine(profile):
+        raise ServeError(message)
     return launch(
         "sglang",
         server_command(profile, model, host=host, port=port),

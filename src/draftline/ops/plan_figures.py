@@ -14,6 +14,15 @@ from draftline.runtime.run_log import IDENTITY_KEYS, REPORTS_DIR, generation_rat
 
 # bf16 features (docs/pipeline.md: feature_dtype bfloat16).
 FEATURE_DTYPE_BYTES = 2
+DAY_S = 86_400.0
+TB = 1e12
+STAGES = ("generate", "extract", "train_offline", "train_online")
+STAGE_WORDS = {
+    "generate": "generation",
+    "extract": "feature extraction",
+    "train_offline": "offline training",
+    "train_online": "online training",
+}
 
 
 @dataclass(frozen=True)

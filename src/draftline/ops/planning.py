@@ -9,13 +9,15 @@ Units: tokens per second, seconds, decimal terabytes (1e12 bytes), US dollars.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from draftline.core.target import model_ref
+from draftline.ops.plan_advice import flags, recommendations
 from draftline.ops.plan_figures import (
+    DAY_S,
     IDENTITY,
+    TB,
     Figure,
     Inputs,
     metrics_path,
@@ -23,23 +25,17 @@ from draftline.ops.plan_figures import (
     resolve_inputs,
     usable,
 )
+from draftline.ops.plan_figures import (
+    STAGES as STAGES,  # re-exported: the plan's stages, in the order they run
+)
 from draftline.runtime.params import identity as run_identity
 from draftline.runtime.run_log import number_at
 
 SCHEMA = "draftline.plan/1"
-DAY_S = 86_400.0
-TB = 1e12
 # Online token packs: input_ids int32 + loss_mask uint8 per token (offsets are negligible).
 TOKEN_PACK_BYTES_PER_TOKEN = 5
 DEFAULT_STORAGE_BUDGET_TB = 20.0
 DEFAULT_TIME_LIMIT_DAYS = 7.0
-STAGES = ("generate", "extract", "train_offline", "train_online")
-STAGE_WORDS = {
-    "generate": "generation",
-    "extract": "feature extraction",
-    "train_offline": "offline training",
-    "train_online": "online training",
-}
 # Slot utilisation of the generation schedule, measured by benchmarks/generation_schedule.py:
 # the project's scheduler driving a simulated engine of 2,048 slots over 8 shards of 14,000
 # conversations (turns 1-30, mean 3; answers log-normal, mean 2,300 tokens, capped at 8,192;
@@ -281,7 +277,8 @@ def build_plan(
         "offline_features_tb": feature_bytes / TB,
         "online_token_packs_bytes": seq_tokens * TOKEN_PACK_BYTES_PER_TOKEN,
         "budget_tb": storage_budget_tb,
-        "over_budget": feature_bytes / TB > storage_budget_tb,
+        # Judged only when the plan trains offline: online features write token packs only.
+        "over_budget": inputs.features == "offline" and feature_bytes / TB > storage_budget_tb,
     }
     gen = generation_work(params, metrics, inputs)
     planned = [
@@ -291,7 +288,7 @@ def build_plan(
     for p in planned:
         if p["name"] in memory:
             p["memory"] = memory[p["name"]]
-    flags = _flags(storage, planned, inputs, time_limit_days) + _memory_flags(planned)
+    advice = (storage, planned, inputs, time_limit_days, params)
     model = params["model"]
     return {
         "schema": SCHEMA,
@@ -322,9 +319,8 @@ def build_plan(
         "limits": {"storage_budget_tb": storage_budget_tb, "time_limit_days": time_limit_days},
         "storage": storage,
         "profiles": {p["name"]: p for p in planned},
-        "flags": flags,
-        "recommendations": _recommendations(storage, planned, inputs, time_limit_days)
-        + _memory_recommendations(planned),
+        "flags": flags(*advice),
+        "recommendations": recommendations(*advice),
         "notes": _other_run_notes(metrics, run_identity(params)),
     }
 
@@ -364,210 +360,3 @@ def _other_run_notes(metrics: dict[str, Any], wanted: dict[str, Any]) -> list[st
             why = OLDER_ALL if why == OLDER else why
             notes.append(f"ignored {len(files)} files ({', '.join(files)}): {why}")
     return notes
-
-
-def _flags(
-    storage: dict[str, Any], planned: list[dict[str, Any]], inputs: Inputs, limit: float
-) -> list[dict[str, Any]]:
-    flags = []
-    if storage["over_budget"]:
-        flags.append(
-            {
-                "kind": "storage",
-                "profile": None,
-                "stage": "extract",
-                "message": (
-                    f"offline features need {storage['offline_features_tb']:,.1f} TB "
-                    f"({inputs.train_samples.value:,.0f} samples x "
-                    f"{inputs.sequence_tokens.value:,.0f} tokens x "
-                    f"{inputs.bytes_per_token.value:,.0f} B), over the "
-                    f"{storage['budget_tb']:g} TB budget"
-                ),
-            }
-        )
-    for p in planned:
-        for stage in STAGES:
-            info = p["stages"][stage]
-            if info["over_limit"]:
-                flags.append(
-                    {
-                        "kind": "time",
-                        "profile": p["name"],
-                        "stage": stage,
-                        "message": (
-                            f"{p['name']}: {STAGE_WORDS[stage]} takes {info['days']:,.1f} days, "
-                            f"over the {limit:g}-day limit"
-                        ),
-                    }
-                )
-    return flags
-
-
-def _recommendations(
-    storage: dict[str, Any], planned: list[dict[str, Any]], inputs: Inputs, limit: float
-) -> list[dict[str, Any]]:
-    recs: list[dict[str, Any]] = []
-    budget_bytes = storage["budget_tb"] * TB
-    bpt = inputs.bytes_per_token.value
-    if storage["over_budget"]:
-        times = [
-            f"{p['name']} {p['stages']['train_online']['days']:,.1f} d online vs "
-            f"{p['stages']['extract']['days'] + p['stages']['train_offline']['days']:,.1f} d "
-            "extract + offline"
-            for p in planned
-            if all(p["stages"][k]["days"] is not None for k in STAGES[1:])
-        ]
-        recs.append(
-            {
-                "kind": "online_features",
-                "override": "extract.features=online",
-                "storage_bytes": storage["online_token_packs_bytes"],
-                "message": (
-                    "use online features (extract.features=online): token packs only, "
-                    f"{storage['online_token_packs_bytes'] / 1e9:,.1f} GB instead of "
-                    f"{storage['offline_features_tb']:,.1f} TB; the target runs during training"
-                    + (f" ({'; '.join(times)})" if times else "")
-                ),
-            }
-        )
-        fit_samples = math.floor(budget_bytes / (inputs.sequence_tokens.value * bpt))
-        share = fit_samples / inputs.train_samples.value
-        recs.append(
-            {
-                "kind": "subset",
-                "samples": fit_samples,
-                "share": share,
-                "message": (
-                    f"train offline on a subset: {fit_samples:,} samples ({share:.1%} of "
-                    f"{inputs.train_samples.value:,.0f}) fit {storage['budget_tb']:g} TB at "
-                    f"{inputs.sequence_tokens.value:,.0f} tokens each"
-                ),
-            }
-        )
-        fit_length = math.floor(budget_bytes / (inputs.train_samples.value * bpt))
-        kept = fit_length / inputs.sequence_tokens.value
-        # The prompt comes first: what is left of the budgeted length is supervised completion.
-        supervised = max(0, fit_length - round(inputs.prompt_tokens.value))
-        usable = supervised >= 2 * inputs.block_size  # shorter sequences are dropped in training
-        recs.append(
-            {
-                "kind": "max_length",
-                "override": f"extract.max_length={fit_length}",
-                "max_length": fit_length,
-                "kept_share": kept,
-                "completion_tokens_kept": supervised,
-                "usable": usable,
-                "message": (
-                    f"shorter max length: extract.max_length={fit_length:,} fits "
-                    f"{storage['budget_tb']:g} TB with all samples, but keeps only {kept:.0%} "
-                    f"of a mean {inputs.sequence_tokens.value:,.0f}-token sequence "
-                    f"(~{supervised:,} completion tokens after the prompt)"
-                    + (
-                        ""
-                        if usable
-                        else f": too short, training drops sequences under "
-                        f"2 x block_size = {2 * inputs.block_size} supervised tokens"
-                    )
-                ),
-            }
-        )
-    by_name = {p["name"]: p for p in planned}
-    for p in planned:
-        gen = p["stages"]["generate"]
-        if gen["over_limit"]:
-            faster = [
-                f"{q['name']} ({q['stages']['generate']['days']:,.1f} d)"
-                for q in planned
-                if q["stages"]["generate"]["days"] is not None
-                and q["stages"]["generate"]["days"] <= limit
-            ]
-            rate = by_name[p["name"]]["throughput"]["generate_tok_s"]["value"]
-            fit = math.floor(limit * DAY_S / (gen["seconds"] / inputs.samples.value))
-            recs.append(
-                {
-                    "kind": "generate_time",
-                    "profile": p["name"],
-                    "samples": fit,
-                    "message": (
-                        f"{p['name']}: generation fits {limit:g} days for {fit:,} samples "
-                        f"({fit / inputs.samples.value:.0%}) at {rate:,.0f} tok/s"
-                        + (f"; or generate on {', '.join(faster)}" if faster else "")
-                    ),
-                }
-            )
-        for stage in ("train_offline", "train_online"):
-            info = p["stages"][stage]
-            if info["over_limit"]:
-                per_epoch = info["days"] / inputs.epochs
-                epochs = math.floor(limit / per_epoch)
-                recs.append(
-                    {
-                        "kind": "train_time",
-                        "profile": p["name"],
-                        "stage": stage,
-                        "epochs": epochs,
-                        "message": (
-                            f"{p['name']}: {STAGE_WORDS[stage]} is {per_epoch:,.1f} days "
-                            "per epoch; "
-                            f"{epochs} of {inputs.epochs} epochs fit {limit:g} days "
-                            "(drafter.epochs), or train on a subset"
-                        ),
-                    }
-                )
-    return recs
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def _memory_flags(planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    flags = []
-    for p in planned:
-        mem = p.get("memory") or {}
-        for stage, info in (mem.get("stages") or {}).items():
-            if not info["fits"]:
-                flags.append(
-                    {
-                        "kind": "memory",
-                        "profile": p["name"],
-                        "stage": stage,
-                        "message": (
-                            f"{p['name']}: {STAGE_WORDS[stage]} needs {_gib(info['peak_bytes'])} "
-                            f"per GPU, over the {_gib(mem['usable_bytes'])} usable of "
-                            f"{_gib(mem['device_bytes'])} (out of memory)"
-                        ),
-                    }
-                )
-    return flags
-
-
-def _memory_recommendations(planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    recs = []
-    for p in planned:
-        for stage, info in ((p.get("memory") or {}).get("stages") or {}).items():
-            if info["fits"]:
-                continue
-            fix = info.get("fix")
-            if fix:
-                message = (
-                    f"{p['name']}: {STAGE_WORDS[stage]} fits with {fix['override']} "
-                    f"({_gib(fix['peak_bytes'])} per GPU)"
-                    + (f": {fix['why']}" if fix.get("why") else "")
-                )
-            else:
-                message = (
-                    f"{p['name']}: no smaller batch makes {STAGE_WORDS[stage]} fit: train on "
-                    "bigger GPUs, or shorten drafter.max_length / drafter.max_anchors "
-                    "(which changes what is trained)"
-                )
-            recs.append(
-                {
-                    "kind": "memory",
-                    "profile": p["name"],
-                    "stage": stage,
-                    "override": fix["override"] if fix else None,
-                    "message": message,
-                }
-            )
-    return recs

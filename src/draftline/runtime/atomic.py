@@ -61,9 +61,11 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON with sorted keys so reruns give byte-identical files."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
+def write_json(path: str | os.PathLike[str], data: Any, sort_keys: bool = True) -> None:
+    """Write JSON with sorted keys so reruns give byte-identical files (`sort_keys=False`: in
+    the order `data` has, for a caller that orders it itself)."""
+    text = json.dumps(data, indent=2, sort_keys=sort_keys, default=_jsonable)
+    write_text(path, text + "\n")
 
 
 def _jsonable(value: Any) -> Any:

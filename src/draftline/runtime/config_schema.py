@@ -6,7 +6,8 @@ compares the composition with `SCHEMA` and fails on the first unknown key with o
 `unknown key X; did you mean Y`. A key added with `+key=value` (or `++`) on the command line
 is taken as meant. Subtrees marked `OPEN` hold free-form keys (chat template kwargs, server
 environment, the target's Hugging Face config). A new key in conf/ goes here as well: that
-is what makes a misspelled one stand out.
+is what makes a misspelled one stand out. A `+key` that is one slip from a known key
+(`+generate.max_new_token=64`) fails too, naming the key it meant: `+` is for new keys.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SCHEMA: Schema = {
         "chat_template_kwargs": OPEN,
         "sampling": {"temperature": None, "top_p": None, "top_k": None},
         "max_new_tokens": None,
+        "features": None,
         "dflash": {
             "num_attention_heads": None,
             "num_key_value_heads": None,
@@ -261,9 +263,45 @@ def check_overrides(overrides: list[str]) -> None:
         _lookup(key)
 
 
+def close_key(path: str) -> str | None:
+    """The known key `path` is one slip away from (same section, nearly the same name)."""
+    head, _, last = path.rpartition(".")
+    try:
+        node = _lookup(head) if head else SCHEMA
+    except UnknownKeyError:
+        return None
+    if not isinstance(node, dict):
+        return None
+    close = difflib.get_close_matches(last, list(node), n=1, cutoff=0.85)
+    return f"{head}.{close[0]}" if close and head else (close[0] if close else None)
+
+
+def unknown_keys(data: dict[str, Any]) -> list[str]:
+    """Every key of `data` the schema does not know (below OPEN subtrees anything goes)."""
+    out: list[str] = []
+
+    def walk(node: Any, schema: Any, prefix: str) -> None:
+        if schema == OPEN or not isinstance(node, dict) or not isinstance(schema, dict):
+            return
+        for key, value in node.items():
+            if key not in schema:
+                out.append(f"{prefix}{key}")
+            else:
+                walk(value, schema[key], f"{prefix}{key}.")
+
+    walk(data, SCHEMA, "")
+    return out
+
+
 def check(data: dict[str, Any], overrides: list[str] | None = None) -> None:
     """Fail on the first key of `data` the schema does not know (see the module docstring)."""
     added = added_keys(list(overrides or []))
+    for path in sorted(added):
+        if (meant := close_key(path)) and meant != path:
+            raise UnknownKeyError(
+                f"+{path} adds a key no stage reads; did you mean {meant}? "
+                f"(`{meant}=...` without + sets it)"
+            )
 
     def walk(node: Any, schema: Any, prefix: str) -> None:
         if schema == OPEN or not isinstance(node, dict):

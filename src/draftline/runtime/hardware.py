@@ -78,6 +78,17 @@ def match_profile(gpus: list[GPUInfo], profiles: dict[str, dict[str, Any]]) -> s
     return best
 
 
+# Per-node settings a user may override under hardware=auto (conf/hardware/auto.yaml).
+AUTO_KNOBS = (
+    "micro_batch_size",
+    "activation_checkpointing",
+    "extract_tokens_per_batch",
+    "num_threads",
+    "work_ahead_shards",
+    "price_per_hour",
+)
+
+
 def resolve_profile(hardware: dict[str, Any], config_dir: str | Path = "conf") -> dict[str, Any]:
     """A concrete profile: `hardware` itself, or for `auto` the profile matching this node.
 
@@ -88,8 +99,11 @@ def resolve_profile(hardware: dict[str, Any], config_dir: str | Path = "conf") -
     gpus = detect_gpus()
     profiles = load_profiles(config_dir)
     chosen = match_profile(gpus, profiles)
+    # auto.yaml's knobs are null ("the chosen profile's"); a value the user set wins.
+    knobs = {k: v for k, v in hardware.items() if k in AUTO_KNOBS and v is not None}
     return {
         **profiles[chosen],
+        **knobs,
         "resolved_from": "auto",
         "detected_gpus": [asdict(g) for g in gpus],
     }

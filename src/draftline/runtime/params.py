@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from draftline.runtime import config_schema
+from draftline.runtime import config_schema, config_values
 
 CONFIG_NAME = "config"
 # First line of a params.yaml composed with overrides: `compose --check` and `doctor` recompose
@@ -39,6 +39,8 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf")
     data = OmegaConf.to_container(cfg)
     assert isinstance(data, dict)
     config_schema.check(data, list(overrides or []))
+    if bad := config_values.problems(data):
+        raise config_values.BadValueError(bad[0])
     return data
 
 
@@ -52,11 +54,18 @@ def looks_local(path: str) -> bool:
 
 
 def check_model_path(data: dict[str, Any]) -> None:
-    """A local-looking model.path that does not exist fails with one line naming the fix;
+    """A local-looking model.path that does not exist, or whose JSON files are cut short,
+    fails with one line naming the fix;
     a hub id is left to the hub (a local path must never be recorded as a hub id)."""
     model = data.get("model") or {}
     path = str(model.get("path") or "")
-    if not path or not looks_local(path) or Path(path).expanduser().exists():
+    if not path or not looks_local(path):
+        return
+    if Path(path).expanduser().exists():
+        from draftline.core.target import missing_model
+
+        if message := missing_model(model):  # no config.json, or a cut JSON file
+            raise SystemExit(message)
         return
     raise SystemExit(
         f"model.path {path} does not exist on this machine: point model.path at a model folder "
@@ -119,14 +128,13 @@ def load(path: str | Path = "params.yaml") -> dict[str, Any]:
     if not p.exists():
         raise SystemExit(f"{p} not found: run `draftline compose` in the repository root")
     data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    data_cfg = data.get("data") or {}
-    if "num_shards" in data_cfg and data_cfg.get("shard_ids") != list(
-        range(int(data_cfg["num_shards"]))
-    ):
-        n = int(data_cfg["num_shards"])
-        raise SystemExit(
-            f"params.yaml: data.shard_ids must be [0..{n - 1}] for data.num_shards={n}; "
-            f"run `draftline compose data.num_shards={n}` or pass "
-            f"-S 'data.shard_ids=[{','.join(map(str, range(n)))}]' to dvc exp run"
-        )
+    # `dvc exp run -S` composes without `compose`: its values are checked here, as a stage starts.
+    if bad := config_values.problems(data):
+        raise SystemExit(f"{p}: {bad[0]}")
+    for path in config_schema.unknown_keys(data):
+        if meant := config_schema.close_key(path):
+            raise SystemExit(
+                f"{p}: {path} is not a key any stage reads; did you mean {meant}? "
+                f"(`dvc exp run -S {meant}=...`, without +)"
+            )
     return data

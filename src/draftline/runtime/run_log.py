@@ -37,9 +37,16 @@ def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
 
 
 def compared(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
-    """The keys of a record that compare runs, in the order given (no identity: the params of
-    the run say what it ran on)."""
-    return {k: record[k] for k in keys if k in record}
+    """The keys of a record that compare runs, in the order given, and below them in sorted
+    order (no identity: the params of the run say what it ran on). `dvc exp show` lists a
+    metrics file's keys in the file's order, so the order given is the order of its columns."""
+    return {k: _sorted_below(record[k]) for k in keys if k in record}
+
+
+def _sorted_below(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted_below(value[k]) for k in sorted(value)}
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, stage: str, throughput: bool = False) -> None:
@@ -64,7 +71,7 @@ def write(
 ) -> None:
     """The figures that compare runs to --metrics, the results and identity to --report, the
     full record to --run-log, tokens/s to --throughput."""
-    atomic.write_json(args.metrics, compared(record, compare_keys))
+    atomic.write_json(args.metrics, compared(record, compare_keys), sort_keys=False)
     atomic.write_json(args.report, results(record, result_keys))
     if tokens_per_s is None and "tokens_per_s" in record:
         record = {**record, **_earlier_rate(args.run_log, record)}

@@ -27,7 +27,7 @@ SUMMARY_NAME = "summary.json"  # in the output folder: rows per shard (validate)
 # What `dvc exp show` compares; the rest (per shard, per reason, lengths) is in the summary.
 RESULT_KEYS = ("rows_read", "rows_kept", "rows_rejected", "reject_rate", "train_rows", "eval_rows")
 # What `dvc exp show` compares (the rest is in reports/curate.json).
-COMPARE_KEYS = ("train_rows", "eval_rows", "reject_rate")
+COMPARE_KEYS = ("eval_rows", "reject_rate", "train_rows")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

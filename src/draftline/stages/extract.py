@@ -23,15 +23,19 @@ RESULT_KEYS = (
     "dropped", "truncated_sequences", "bytes_per_token",
 )  # fmt: skip
 # What `dvc exp show` compares (the rest is in reports/extract.json).
-COMPARE_KEYS = ("num_tokens", "num_supervised_tokens")
+COMPARE_KEYS = ("num_supervised_tokens", "num_tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="composed parameters")
     parser.add_argument("--shards", default="data/generated/train", help="generated shards")
-    parser.add_argument("--verdict", default="data/validated/verdict.json")
+    parser.add_argument(
+        "--verdict", default="data/validated/verdict.json", help="validate's verdict (must pass)"
+    )
     parser.add_argument("--out", default="data/extracted", help="output folder")
-    parser.add_argument("--metrics", default="metrics/extract.json")
+    parser.add_argument(
+        "--metrics", default="metrics/extract.json", help="metrics file (metrics/extract.json)"
+    )
     run_log.add_arguments(parser, "extract", throughput=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from draftline.core import target
 from draftline.core.loss_mask import special_ids
@@ -38,16 +39,17 @@ from draftline.generation.shards import (
     run_shard,
 )
 from draftline.quality.checks import thinking_enabled
-from draftline.runtime import hardware, params, run_log
+from draftline.runtime import disk_space, hardware, params, run_log
 
 JOURNAL_DIR = Path(".draftline/journal/generate")
+CURATE_SUMMARY = "summary.json"  # curate's, beside its tables (stages/curate.py CURATE_SUMMARY)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--shard", type=int, help="train shard index (data.shard_ids)")
     which.add_argument("--eval", action="store_true", help="the held-out eval split")
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default="params.yaml", help="params file (params.yaml)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -69,6 +71,53 @@ def shard_paths(shard: int | None) -> ShardPaths:
     )
 
 
+def check_curated(paths: ShardPaths, p: dict[str, Any]) -> None:
+    """Stop when curate failed: it writes its tables before judging the reject rate, so a hand
+    run of this stage would otherwise turn its empty shards into empty tables and exit 0."""
+    summary = paths.curated.parent / CURATE_SUMMARY
+    if paths.name != "eval":
+        summary = paths.curated.parent.parent / CURATE_SUMMARY
+    if not summary.is_file():
+        return  # a curated folder from elsewhere: its shards speak for themselves
+    result = json.loads(summary.read_text(encoding="utf-8"))
+    max_rate = float((p.get("data") or {}).get("max_reject_rate", 1.0))
+    rate = float(result.get("reject_rate") or 0.0)
+    if rate > max_rate:
+        raise SystemExit(
+            f"generate {paths.name}: curate failed ({rate:.1%} of rows rejected, over "
+            f"data.max_reject_rate={max_rate:.1%}); fix the inputs and rerun `dvc repro curate` "
+            f"first (reasons: {summary.parent}/rejected.parquet)"
+        )
+    if not int(result.get("train_rows") or 0) + int(result.get("eval_rows") or 0):
+        raise SystemExit(
+            f"generate {paths.name}: curate kept no rows ({summary}); fix data.sources and "
+            "rerun `dvc repro curate` first"
+        )
+
+
+# Bytes a generated token takes on disk: its id and text in the table, and again in the journal.
+GENERATED_BYTES_PER_TOKEN = 16
+
+
+def check_space(paths: ShardPaths, p: dict[str, Any], work_ahead: int) -> None:
+    """The shard's table and journal (and those of the shards worked ahead on) must fit the
+    disk, at the completion length and turns data.estimate expects."""
+    if not paths.curated.is_file():
+        return  # the stage's own check names what is missing
+    import pyarrow.parquet as pq
+
+    estimate = (p.get("data") or {}).get("estimate") or {}
+    tokens = float(estimate.get("completion_tokens") or p["generate"]["max_new_tokens"])
+    turns = float(estimate.get("turns") or 1)
+    rows = pq.ParquetFile(paths.curated).metadata.num_rows * (1 + work_ahead)
+    disk_space.require_free(
+        paths.output.parent,
+        rows * turns * tokens * GENERATED_BYTES_PER_TOKEN,
+        f"generate {paths.name} ({rows:,} conversations x {turns:g} turns x {tokens:,.0f} tokens)",
+        "free space or put data/generated and .draftline/ on a bigger disk (links), and rerun",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     model, gen = p["model"], p["generate"]
@@ -76,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     paths = shard_paths(None if args.eval else args.shard)
     if not args.eval and args.shard not in (p.get("data") or {}).get("shard_ids", []):
         raise SystemExit(f"generate: shard {args.shard} is not in data.shard_ids")
+    check_curated(paths, p)
+    check_space(paths, p, int(profile.get("work_ahead_shards") or 0))
     sampling = sampling_from(gen)
     tokenizer = target.load_tokenizer(model)
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))

@@ -24,7 +24,8 @@ RESULT_KEYS = (
     "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
     "final_loss", "final_accuracy", "final_accuracy_per_position",
 )  # fmt: skip
-# What `dvc exp show` compares (the rest is in reports/train.json).
+# What `dvc exp show` compares (the rest is in reports/train.json), in its column order: the
+# final loss comes right after evaluate's tau (dvc.yaml's top-level `metrics:` order).
 COMPARE_KEYS = ("final_loss", "final_accuracy")
 
 
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="composed parameters")
     parser.add_argument("--data", default="data/extracted", help="extracted packs")
     parser.add_argument("--out", default="models/drafter", help="exported drafter folder")
-    parser.add_argument("--metrics", default="metrics/train.json")
+    parser.add_argument(
+        "--metrics", default="metrics/train.json", help="metrics file (metrics/train.json)"
+    )
     run_log.add_arguments(parser, "train", throughput=True)
     parser.add_argument("--live", default="dvclive/train", help="dvclive folder (plots)")
     parser.add_argument("--plots", default="plots/train", help="folder of plot CSVs")

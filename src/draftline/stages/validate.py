@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generated", default=GENERATED_DIR, help="generated train shards")
     parser.add_argument("--curate-summary", default=CURATE_SUMMARY, help="curated row counts")
     parser.add_argument("--verdict", default=VERDICT_PATH, help="written only when passing")
-    parser.add_argument("--metrics", default=METRICS_PATH)
+    parser.add_argument("--metrics", default=METRICS_PATH, help=f"metrics file ({METRICS_PATH})")
     report = run_log.REPORTS_DIR / "validate.json"
     parser.add_argument("--report", default=str(report), help=f"every result ({report})")
-    parser.add_argument("--plots", default=PLOTS_DIR)
+    parser.add_argument("--plots", default=PLOTS_DIR, help=f"folder of plot CSVs ({PLOTS_DIR})")
     parser.add_argument("--reports", default=REPORT_DIR, help="GX results and Data Docs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
