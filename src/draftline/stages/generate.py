@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     paths = shard_paths(None if args.eval else args.shard)
     if not args.eval and args.shard not in (p.get("data") or {}).get("shard_ids", []):
         raise SystemExit(f"generate: shard {args.shard} is not in data.shard_ids")
-    sampling = sampling_from(gen)
+    sampling = sampling_from(gen, model)
     tokenizer = target.load_tokenizer(model)
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))
     thinking = thinking_enabled(p)
