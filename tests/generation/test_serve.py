@@ -85,8 +85,8 @@ def test_pro6000x4_router_over_four_data_parallel_engines():
     assert f["--dp-size"] == "4" and f["--tp-size"] == "1"
     assert f["--model-path"] == "Qwen/Qwen3.6-27B" and f["--revision"] == "main"
     assert f["--host"] == "127.0.0.1" and f["--port"] == "30000"
-    assert "--quantization" not in f and "--kv-cache-dtype" not in f  # bf16, kv cache auto
-    assert f["--mem-fraction-static"] == "0.85" and f["--context-length"] == "16384"
+    assert f["--quantization"] == "fp8" and "--kv-cache-dtype" not in f  # kv cache auto
+    assert f["--mem-fraction-static"] == "0.85" and f["--context-length"] == "262144"
     assert f["--max-running-requests"] == "256"
     assert f["--speculative-algorithm"] == "NEXTN"  # MTP: the target's own MTP head
     assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"]) == ("3", "1")
@@ -101,9 +101,9 @@ def test_b200x8_eight_engines_serve_what_the_model_says():
     assert cmd[:3] == ["python3", "-m", "sglang_router.launch_server"]
     f = flags(cmd)
     assert f["--dp-size"] == "8" and f["--tp-size"] == "1"
-    # bf16 as on pro6000x4: precision is the model's choice, not the node's (it was fp8 here).
-    assert "--quantization" not in f and "--kv-cache-dtype" not in f
-    assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "16384"
+    # FP8 as on pro6000x4: precision is the model's choice, not the node's.
+    assert f["--quantization"] == "fp8" and "--kv-cache-dtype" not in f
+    assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "262144"
     assert f["--max-running-requests"] == "512"
     assert f["--speculative-algorithm"] == "NEXTN"
     assert f["--speculative-num-steps"] == "3" and f["--speculative-num-draft-tokens"] == "4"
@@ -111,6 +111,55 @@ def test_b200x8_eight_engines_serve_what_the_model_says():
     assert f["--host"] == "127.0.0.1"
     # Flags appear once each, values right after them.
     assert len([a for a in cmd if a.startswith("--")]) == len(f)
+
+
+@pytest.mark.parametrize("name", ("pro6000x4", "b200x8"))
+def test_router_waits_longer_than_the_client_and_leaves_retries_to_it(name):
+    """The router's request timeout is above the client's for the same answer (both from
+    max_new_tokens at one request's decode rate), and only the client retries."""
+    from draftline.generation import timeouts
+
+    profile = PROFILES[name]
+    f = flags(server_command(profile, TARGET, python="python3"))
+    client = timeouts.client_timeout_s(profile, TARGET["max_new_tokens"])
+    # One request's share of the node (low end of the range) decodes the longest answer twice.
+    throughput = profile["throughput"]
+    low = (throughput.get("generate_tok_s_range") or [throughput["generate_tok_s"]])[0]
+    rate = low / profile["sglang"]["max_in_flight"]
+    assert client >= 2 * TARGET["max_new_tokens"] / rate > 1800  # the router's old default
+    assert int(f["--router-request-timeout-secs"]) > client
+    assert f["--router-disable-retries"] is True
+    single = {**profile, "sglang": {**profile["sglang"], "dp_size": 1}}
+    assert "--router-request-timeout-secs" not in server_command(single, TARGET, python="p")
+
+
+def test_host_cache_is_split_over_the_engines_of_the_node():
+    """Each DP engine gets its share of the node's RAM (`--hicache-size`, GB per engine), never
+    a pool sized as if it were alone; an explicit figure wins; doctor says which."""
+    from draftline.generation import host_cache
+
+    sg = dict(PROFILES["b200x8"]["sglang"])
+    ram = 2_000 * 10**9  # a 2 TB B200 node
+    assert host_cache.host_cache_gb(sg, ram) == 125  # 0.5 x 2,000 GB / 8 engines
+    assert host_cache.host_cache_gb({**sg, "host_cache_gb_per_engine": 64}, ram) == 64
+    assert host_cache.host_cache_gb({**sg, "hierarchical_cache": False}, ram) is None
+    line = host_cache.describe(sg, ram)
+    assert "--hicache-size 125 GB per engine, 1,000 GB in all" in line and "8 ranks" in line
+    pro = dict(PROFILES["pro6000x4"]["sglang"])
+    assert host_cache.host_cache_gb(pro, 256 * 10**9) == 32  # 0.5 x 256 GB / 4 engines
+    f = flags(server_command(PROFILES["b200x8"], TARGET, python="python3"))
+    assert int(f["--hicache-size"]) == host_cache.host_cache_gb(sg)  # this node's RAM
+
+
+def test_served_context_length_is_the_models_and_a_profile_cannot_contradict_it():
+    profile = PROFILES["b200x8"]
+    other = {**profile, "sglang": {**profile["sglang"], "context_length": 16384}}
+    with pytest.raises(ServeError, match="differs from the served"):
+        server_command(other, TARGET, python="python3")
+    deterministic = {**TARGET, "serving": {**TARGET["serving"], "deterministic_inference": True}}
+    f = flags(server_command(profile, deterministic, python="python3"))
+    assert f["--enable-deterministic-inference"] is True
+    assert "--enable-deterministic-inference" not in server_command(profile, TARGET, python="p")
 
 
 # What is served: a choice of the model, the same on every hardware profile.

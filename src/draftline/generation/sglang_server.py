@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from draftline.generation import host_cache, timeouts
 from draftline.generation.server_process import (  # noqa: F401  (the lifecycle, re-exported)
     LOG_DIR,
     STATE_DIR,
@@ -96,8 +97,9 @@ def server_command(
         cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
     if sg.get("mem_fraction_static"):
         cmd += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
-    if sg.get("context_length"):
-        cmd += ["--context-length", str(int(sg["context_length"]))]
+    context = context_length(profile, model)
+    if context:
+        cmd += ["--context-length", str(context)]
     if sg.get("max_running_requests"):
         cmd += ["--max-running-requests", str(int(sg["max_running_requests"]))]
     spec = serving.get("speculative") or {}
@@ -116,6 +118,18 @@ def server_command(
         cmd += ["--mamba-scheduler-strategy", str(serving["mamba_scheduler_strategy"])]
     if sg.get("hierarchical_cache"):
         cmd += ["--enable-hierarchical-cache"]
+        host_gb = host_cache.host_cache_gb(sg)
+        if host_gb:
+            cmd += ["--hicache-size", str(host_gb)]
+    if serving.get("deterministic_inference"):
+        cmd += ["--enable-deterministic-inference"]
+    if dp > 1:
+        # The router waits longer than the client does for the same answer, and leaves the
+        # retrying to the client (which retries on another endpoint and journals): retries of
+        # both would multiply, and a retried answer starts from scratch.
+        max_new = int(model.get("max_new_tokens") or 0)
+        cmd += ["--router-request-timeout-secs", str(timeouts.router_timeout_s(profile, max_new))]
+        cmd += ["--router-disable-retries"]
     if serving.get("reasoning_parser"):
         cmd += ["--reasoning-parser", str(serving["reasoning_parser"])]
     # We send and receive token ids only: the server needs no tokenizer of its own.
@@ -123,6 +137,21 @@ def server_command(
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def context_length(profile: dict[str, Any], model: dict[str, Any]) -> int | None:
+    """The context length served: the model's (`serving.context_length`, which every engine
+    caps each turn to), else the profile's own `sglang.context_length`, else the model's."""
+    served = (model.get("serving") or {}).get("context_length")
+    node = sglang_settings(profile).get("context_length")
+    if served and node and int(node) != int(served):
+        raise ServeError(
+            f"hardware.sglang.context_length={node} differs from the served "
+            f"model.serving.context_length={served}, which the clients cap every turn to: "
+            "drop the profile's"
+        )
+    value = served or node
+    return int(value) if value else None
 
 
 def with_speculation(
