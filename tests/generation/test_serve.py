@@ -149,6 +149,14 @@ def test_host_cache_is_split_over_the_engines_of_the_node():
     assert host_cache.host_cache_gb(pro, 256 * 10**9) == 32  # 0.5 x 256 GB / 4 engines
     f = flags(server_command(PROFILES["b200x8"], TARGET, python="python3"))
     assert int(f["--hicache-size"]) == host_cache.host_cache_gb(sg)  # this node's RAM
+    from draftline.commands import doctor  # `draftline doctor` shows this node's figure
+
+    (row,) = doctor._host_cache_rows({"hardware": PROFILES["b200x8"]})
+    assert row[0] == "host cache (b200x8)" and row[1] is True
+    assert (
+        row[2] == host_cache.describe(sg) and f"--hicache-size {f['--hicache-size']} GB" in row[2]
+    )
+    assert doctor._host_cache_rows({"hardware": PROFILES["cpu"]}) == []
 
 
 def test_served_context_length_is_the_models_and_a_profile_cannot_contradict_it():

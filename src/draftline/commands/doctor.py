@@ -86,6 +86,7 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
         rows.append(_data_row(run_params.get("data") or {}))
     rows.append(_remote_row(Path(".")))
     rows.extend(_hybrid_rows(run_params))
+    rows.extend(_host_cache_rows(run_params))
     gpus = hardware.detect_gpus()
     chosen = hardware.match_profile(gpus, hardware.load_profiles(config_dir))
     gpu_text = ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) or "none"
@@ -118,6 +119,22 @@ def _hybrid_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str
         "the slow torch fallback; on GPU nodes pip install -e '.[hybrid]'"
     )
     return [("hybrid layers", True, detail)]
+
+
+def _host_cache_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """The hierarchical cache's pinned host pool each SGLang engine of this node would get
+    (`draftline.generation.host_cache`): a figure, never a failure."""
+    profile_cfg = (run_params or {}).get("hardware") or {}
+    try:
+        profile = hardware.resolve_profile(profile_cfg)
+    except (SystemExit, Exception):  # an unresolvable profile is the params row's to report
+        return []
+    sg = profile.get("sglang") or {}
+    if not sg:
+        return []
+    from draftline.generation import host_cache
+
+    return [(f"host cache ({profile.get('name')})", True, host_cache.describe(sg))]
 
 
 def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] | None]:
