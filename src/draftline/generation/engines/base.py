@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
 # Tokens of the context no turn asks for: SGLang 0.5.23 counts the draft-token slots of EAGLE
 # speculation (MTP: max(topk x steps, draft tokens), 4 for the Qwen3.6 profile) as input when
 # it checks `input + max_new_tokens <= context_length`. The same margin on every engine keeps
