@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -383,6 +384,68 @@ def test_start_status_stop_lifecycle(tmp_path, launcher):
     assert "no server started" in out
 
 
+def post_generate(url: str) -> int:
+    body = json.dumps({"input_ids": [1, 7, 8, 2], "sampling_params": {"max_new_tokens": 8}})
+    request = urllib.request.Request(
+        f"{url}/generate", body.encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_router_counts_as_ready_only_when_every_engine_is(tmp_path, launcher):
+    """sglang_router's `/health` answers before its engines have loaded (the stand-in models
+    it): `serve start` returns only once every engine it logged answers its own `/health`, so
+    a stage started then gets answers, not 503s."""
+    env, _, _ = launcher
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    slow = {sglang_server.LAUNCHER_ENV: env[sglang_server.LAUNCHER_ENV] + " --startup-delay 3"}
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "60", env=slow)
+    try:
+        assert rc == 0, out
+        url = f"http://127.0.0.1:{port}"
+        log = root / "logs" / "serve" / f"sglang-{port}.log"
+        engines = sglang_server.engine_urls(log, "127.0.0.1")
+        assert len(engines) == 4 and all(answers(e) for e in engines)
+        assert post_generate(url) == 200  # ready means served, right away
+    finally:
+        serve(root, "stop", "--port", str(port))
+    # The hazard it waits out: the router alive and answering /health, no engine loaded yet.
+    args = [sys.executable, str(STANDIN), "--port", str(port), "--dp-size", "2"]
+    proc = subprocess.Popen([*args, "--startup-delay", "600"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert all("Launching DP server process" in line for line in lines)
+        deadline = time.monotonic() + 20
+        while not answers(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert answers(f"http://127.0.0.1:{port}")  # the router's liveness
+        assert post_generate(f"http://127.0.0.1:{port}") == 503
+        engine_ports = [int(line.split(" on port ")[1].split()[0]) for line in lines]
+        assert not any(answers(f"http://127.0.0.1:{p}") for p in engine_ports)
+        missing = sglang_server.engines_missing(PROFILES["pro6000x4"])
+        log = tmp_path / "router.log"
+        log.write_text("".join(lines), encoding="utf-8")
+        assert missing(log) == "0 of 4 engines healthy behind the router"  # 2 of 4 even logged
+        # A stage finding this router up waits for its engines, and says so when they never come.
+        two = {**PROFILES["pro6000x4"], "sglang": {**PROFILES["pro6000x4"]["sglang"]}}
+        two["sglang"].update(dp_size=2, port=port)
+        state = sglang_server.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
+        state_file = sglang_server.state_path(port, tmp_path)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(state.__dict__), encoding="utf-8")
+        with pytest.raises(ServeError, match="up but not ready: 0 of 2 engines healthy"):
+            sglang_server.wait_for_engines(two, timeout_s=0.5, root=tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_status_tells_a_dead_server_and_stop_ends_its_orphaned_engines(tmp_path, launcher):
     env, engine_pid_file, _ = launcher
     root = workdir(tmp_path / "repo")
@@ -431,7 +494,8 @@ def test_start_timeout_stops_the_server_that_never_got_healthy(tmp_path, launche
     port = free_port()
     rc, out = serve(root, "start", "--port", str(port), "--timeout", "3", env=env)
     assert rc == 1
-    assert f"SGLang server on port {port} not healthy after 3s (stopped)" in out
+    # The router answers /health at once (its liveness); its engines never load.
+    assert f"SGLang server on port {port} not ready after 3s: 0 of 4 engines healthy" in out
     assert f"Last lines of logs/serve/sglang-{port}.log" in out
     assert wait_gone(int(engine_pid_file.read_text()), 1) and not listening(port)
     assert not sglang_server.state_path(port, root).exists()

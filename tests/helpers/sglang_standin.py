@@ -14,6 +14,12 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
   the draft-token slots EAGLE/NEXTN speculation reserves, reaches it, or when that plus
   `max_new_tokens` passes it (`TokenizerManager._validate_input_ids_in_context_length`);
 - `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading;
+- a router in front of DP engines when started with `--dp-size N` (N > 1), as
+  `python -m sglang_router.launch_server` (sglang-router 0.3.2) is: it starts N engines on ports
+  of their own, logging `Launching DP server process <i> on port <port>` for each as its
+  launcher does, each loading for `--startup-delay`; the router's own `/health` is its liveness
+  probe and answers 200 at once, before any engine is ready, and its `/generate` answers 503
+  while no engine is (the gateway's docs: docs/advanced_features/sgl_model_gateway.md);
 - speculative decoding: started with SGLang's `--speculative-algorithm` (and
   `--speculative-num-draft-tokens`), `meta_info` also carries `spec_verify_ct`, the number of
   verify steps (target forwards) the request took, as SGLang reports it; each step commits
@@ -228,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--dp-size", type=int, default=1)
     return p
 
 
@@ -239,11 +246,60 @@ def make_app(opts: argparse.Namespace) -> web.Application:
     return app
 
 
+def make_router_app(opts: argparse.Namespace) -> web.Application:
+    """The router: alive at once, serving only once its engines (same model, same loading
+    time) are ready."""
+    server = StandIn(opts)
+
+    async def liveness(request: web.Request) -> web.Response:
+        return web.json_response({"status": "healthy"})
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        if time.monotonic() < server.ready_at:
+            return web.json_response({"error": {"message": "No available workers"}}, status=503)
+        return await server.generate(request)
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_get("/health", liveness)
+    app.router.add_post("/generate", generate)
+    return app
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+async def _serve_router(opts: argparse.Namespace) -> None:
+    sites = []
+    for rank in range(opts.dp_size):
+        port = _free_port(opts.host)
+        print(
+            f"[Router (Python)] {time.strftime('%Y-%m-%d %H:%M:%S')} - INFO - Launching DP "
+            f"server process {rank} on port {port} - launch_server.py:182",
+            file=sys.stderr,
+            flush=True,
+        )
+        sites.append((make_app(opts), port))
+    sites.append((make_router_app(opts), opts.port))
+    for app, port in sites:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, opts.host, port, backlog=4096).start()
+    await asyncio.Event().wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     opts, _unknown = build_parser().parse_known_args(argv)  # real SGLang flags are accepted
     if opts.argv_log:
         with open(opts.argv_log, "w", encoding="utf-8") as f:
             json.dump(sys.argv if argv is None else argv, f)
+    if opts.dp_size > 1:
+        asyncio.run(_serve_router(opts))
+        return
     web.run_app(
         make_app(opts), host=opts.host, port=opts.port, print=None, access_log=None, backlog=4096
     )

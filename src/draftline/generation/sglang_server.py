@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,56 @@ def state_path(port: int, root: Path = Path(".")) -> Path:
     return _state_path(port, root, "sglang")
 
 
+# sglang_router 0.3.2 (`launch_server.py`) starts the DP engines, logging one line each to the
+# server's log ("Launching DP server process <i> on port <port>"), and answers `/health` as soon
+# as the router itself runs, before any engine has loaded (`/health` is its liveness probe).
+ENGINE_LAUNCHED = re.compile(r"Launching DP server process (\d+) on port (\d+)")
+
+
+def engine_urls(log: str | Path, host: str) -> list[str]:
+    """The URLs of the DP engines the router's last launch logged to `log`, in rank order."""
+    try:
+        text = Path(log).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    last = text.rsplit("\n=== ", 1)[-1]  # `launch` heads each start with `=== <time> <cmd>`
+    ports = {int(rank): int(port) for rank, port in ENGINE_LAUNCHED.findall(last)}
+    return [reach_url(host, ports[rank]) for rank in sorted(ports)]
+
+
+def engines_missing(profile: dict[str, Any], host: str | None = None) -> Any:
+    """`launch`'s readiness check for this profile: with a router in front of DP engines, what
+    is missing until every engine it launched answers its own `/health` (None once all do)."""
+    dp = int(sglang_settings(profile).get("dp_size") or 1)
+    if dp <= 1:
+        return None
+    bound = bind_host(profile, host)
+
+    def missing(log: Path) -> str | None:
+        engines = engine_urls(log, bound)
+        up = sum(healthy(url, timeout_s=2.0) for url in engines)
+        if len(engines) == dp and up == dp:
+            return None
+        return f"{up} of {dp} engines healthy behind the router"
+
+    return missing
+
+
+def wait_for_engines(profile: dict[str, Any], timeout_s: float, root: Path = Path(".")) -> None:
+    """Before a stage talks to the router `serve start` launched on this node: wait until
+    every engine behind it answers (the router's `/health` alone says nothing about them)."""
+    missing = engines_missing(profile)
+    port = bind_port(profile)
+    state = next((s for s in read_states(root) if s.port == port and s.kind == "sglang"), None)
+    if missing is None or state is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while (why := missing(root / state.log)) is not None:
+        if time.monotonic() > deadline:
+            raise ServeError(f"the router at {state.url} is up but not ready: {why}")
+        time.sleep(1.0)
+
+
 def start(
     profile: dict[str, Any],
     model: dict[str, Any],
@@ -209,7 +261,8 @@ def start(
     root: Path = Path("."),
     env: dict[str, str] | None = None,
 ) -> ServerState:
-    """Start one SGLang server and wait until `/health` answers (`server_process.launch`)."""
+    """Start one SGLang server and wait until it and, behind a router, every DP engine answers
+    `/health` (`server_process.launch`)."""
     return launch(
         "sglang",
         server_command(profile, model, host=host, port=port),
@@ -219,4 +272,5 @@ def start(
         profile=profile.get("name"),
         timeout_s=timeout_s,
         root=root,
+        ready=engines_missing(profile, host),
     )

@@ -93,6 +93,11 @@ def make_server_engine(
                 f"one with `draftline serve start` (hardware={profile.get('name')}), or set "
                 f"generate.autostart=true, or point ${client.ENDPOINTS_ENV} at running servers"
             )
+    elif kind == "sglang" and endpoints == [server.server_url(profile)]:
+        try:  # a router of this node answers /health before its engines have loaded
+            sglang_server.wait_for_engines(profile, float(gen.get("serve_timeout_s", 1800)))
+        except ServeError as exc:
+            raise SystemExit(f"generate: {exc}") from exc
     client_settings = sglang.ClientSettings(
         endpoints=tuple(endpoints),
         max_in_flight=int(settings.get("max_in_flight") or 256),
