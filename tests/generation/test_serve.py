@@ -662,3 +662,34 @@ def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
         assert "draftline serve start --drafter models/drafter" in done.stdout + done.stderr
     finally:
         serve(root, "stop", "--all")
+
+
+def test_bench_on_one_node_serves_the_drafter_then_the_baseline_never_both(tmp_path):
+    """`bench --drafter`: each server takes all of a node's GPUs, so bench starts the drafter's,
+    measures and stops it, then the baseline's, on the profile's one port. Some answers end on
+    their first token, for which SGLang reports no `spec_verify_ct` (the stand-in leaves it
+    out as SGLang does): they count for speed, not for acceptance, and abort nothing."""
+    port = free_port()
+    root = bench_workdir(tmp_path / "repo", port)
+    command = [sys.executable, str(STANDIN), *STANDIN_IDS, "--accept-length", "3",
+               "--step-s", "0.002", "--one-token-share", "0.3"]  # fmt: skip
+    env = {**os.environ, sglang_server.LAUNCHER_ENV: shlex.join(command)}
+    bench = [sys.executable, "-m", "draftline", "bench", "--concurrency", "4",
+             "--drafter", "models/drafter"]  # fmt: skip
+    done = subprocess.run(bench, cwd=root, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.index("starting the drafter server") < out.index("starting the baseline server")
+    # One port, two launches in turn: the drafter's (DFLASH), then one without speculation.
+    launches = (root / f"logs/serve/sglang-{port}.log").read_text().split("\n=== ")[1:]
+    assert len(launches) == 2
+    assert "--speculative-algorithm DFLASH" in launches[0]
+    assert "--speculative-algorithm" not in launches[1]
+    assert not sglang_server.read_states(root)  # both stopped
+    record = json.loads((root / "logs/runs/bench.json").read_text())
+    assert record["speedup"] == pytest.approx(
+        record["output_tok_s"] / record["baseline_output_tok_s"]
+    )
+    # Answers without verify steps left out of acceptance only: still SGLang's ratio in (2, 3].
+    assert record["completion_tokens"] > record["verify_steps"] * 2
+    assert 2.0 < record["acceptance_length"] <= 3.0

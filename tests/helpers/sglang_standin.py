@@ -77,6 +77,8 @@ def completion_for(prompt: list[int], params: dict[str, Any], opts: argparse.Nam
         out = (body * (max_new // len(body) + 1))[: max_new + 1]
     if opts.mode not in ("truncated", "eos") and stops:
         out.append(stops[0])
+    if digest[4] < 256 * opts.one_token_share and stops:
+        out = [stops[0]]  # the answer ends on its first token
     ends = {*stops, opts.model_eos} - {-1}
     if params.get("ignore_eos"):
         ends = set()  # SGLang 0.5.23 skips stop_token_ids as well under ignore_eos
@@ -182,8 +184,12 @@ class StandIn:
             }
             if o.speculative_algorithm:
                 per_step = min(o.accept_length, (o.speculative_num_draft_tokens or 16))
-                meta["spec_verify_ct"] = max(1, math.ceil(n / per_step))
-                forwards = max(forwards, meta["spec_verify_ct"])
+                # The prefill writes the first token: an answer of one token had no verify
+                # step, and SGLang leaves spec_verify_ct out when it is 0.
+                steps = max(1, math.ceil(n / per_step)) if n > 1 else 0
+                if steps:
+                    meta["spec_verify_ct"] = steps
+                forwards = max(forwards, steps, 1)
             else:
                 forwards = max(forwards, n)
             answers.append({"text": "", "output_ids": gen["output_ids"], "meta_info": meta})
@@ -235,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--one-token-share", type=float, default=0.0, help="answers of one token")
     return p
 
 
