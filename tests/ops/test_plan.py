@@ -118,7 +118,7 @@ def test_the_plan_assumes_the_served_precision_and_says_what_each_figure_is_for(
     b200, pro = (seed_plan["profiles"][n]["generate_precision"] for n in ("b200x8", "pro6000x4"))
     assert (b200["value"], b200["matches"]) == ("fp8", True)
     assert (pro["value"], pro["matches"]) == ("bf16", False)
-    line = plan_cmd.precision_line(seed_plan, list(seed_plan["profiles"].values()))
+    line = plan_figures.precision_text(seed_plan, list(seed_plan["profiles"].values()))
     assert "generation time assumes fp8 weights" in line and "pro6000x4 bf16" in line
     bf16 = {**seed_params["model"], "serving": {**seed_params["model"]["serving"]}}
     bf16["serving"]["quantization"] = None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import planning
+from draftline.ops import plan_figures, planning
 from draftline.runtime import hardware, params, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
@@ -323,7 +323,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             "(measured on a run there, or throughput.* in conf/hardware/)[/]"
         )
     console.print(generation_line(plan))
-    console.print(precision_line(plan, profiles))
+    console.print(f"[bold]Serving precision[/]: {plan_figures.precision_text(plan, profiles)}")
 
     console.print("[bold]Throughput[/] (tokens/s)")
     for p in profiles:
@@ -332,29 +332,6 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             console.print(f"  {what}: [bold]{_rate(figure)}[/] [dim]({figure['source']})[/]")
     _print_memory(console, plan)
     _print_advice(console, plan)
-
-
-def precision_line(plan: dict[str, Any], profiles: list[dict[str, Any]]) -> str:
-    """The weight precision generation time assumes (the served one, which `serve start`
-    launches) and, per profile, the precision its figure was measured or estimated at."""
-    served = plan["model"]["served_precision"]
-    parts = []
-    for p in profiles:
-        figure = p.get("generate_precision") or {}
-        if figure.get("matches"):
-            parts.append(f"{p['name']} {figure['value']} (as served)")
-        elif figure.get("value"):
-            parts.append(
-                f"{p['name']} {figure['value']} (not as served: "
-                f"{'a floor' if figure['value'] == 'bf16' else 'may not hold'})"
-            )
-        else:
-            parts.append(f"{p['name']} unstated")
-    return (
-        f"[bold]Serving precision[/]: generation time assumes {served['value']} weights, as "
-        f"`draftline serve start` launches them [dim]({served['source']})[/]; the figures "
-        f"are for: {', '.join(parts)}"
-    )
 
 
 def generation_line(plan: dict[str, Any]) -> str:

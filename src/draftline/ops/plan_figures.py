@@ -326,3 +326,16 @@ def figure_precision(profile: dict[str, Any], served: str, kind: str) -> dict[st
         "matches": value == served if value else None,
         "source": "throughput.generate_precision" if value else "not stated by the profile",
     }
+
+
+def precision_text(plan: dict[str, Any], profiles: list[dict[str, Any]]) -> str:
+    """The weight precision a plan's generation time assumes (what `serve start` launches) and
+    the one each profile's figure is for."""
+    served = plan["model"]["served_precision"]
+    said = {True: "as served", False: "not as served", None: "unstated"}
+    figures = [(p["name"], p.get("generate_precision") or {}) for p in profiles]
+    parts = ", ".join(f"{n} {g.get('value') or '?'} ({said[g.get('matches')]})" for n, g in figures)
+    return (
+        f"generation time assumes {served['value']} weights, as `draftline serve start` "
+        f"launches them ({served['source']}); the figures are for: {parts}"
+    )
