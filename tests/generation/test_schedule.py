@@ -204,7 +204,9 @@ def test_stream_shards_follow_dvc_order_within_the_bound():
     assert stream_shards(2, ids, 0, lambda s: True) == [2]
 
 
-def test_each_turn_asks_for_what_its_prompt_leaves_of_the_context_and_a_full_one_closes():
+def test_each_turn_asks_for_what_its_prompt_leaves_of_the_context_and_a_full_one_closes(
+    tmp_path,
+):
     """`Conversation`: a turn's request is capped to its room in the context (no engine
     refuses it), a result that used all of a cap below max_new_tokens ends `context`, and a
     conversation whose next prompt leaves no room asks nothing more and is done."""
@@ -222,7 +224,21 @@ def test_each_turn_asks_for_what_its_prompt_leaves_of_the_context_and_a_full_one
     second = conversation.next_request(None, None)
     assert isinstance(second, Request) and second.max_new_tokens == 30  # 150 - 120
     cut = conversation.take(Result("c#1", [7] * 30, "length"))
-    assert cut.finish_reason == "context" and conversation.take(cut) == cut
+    assert (cut.finish_reason, cut.max_new_tokens) == ("context", 30)  # the cap, recorded
+    assert conversation.take(cut) == cut
+    stopped = conversation.take(Result("c#1", [7] * 5 + [2], "stop"))
+    assert (stopped.finish_reason, stopped.max_new_tokens) == ("stop", 30)
+    from draftline.generation.journal import Journal  # the cap is journaled with the turn
+
+    journal = Journal(tmp_path / "j.jsonl", {"x": 1})
+    journal.lock(wait=False)
+    journal.open()
+    journal.append([cut, Result("c#0", [2], "stop")])
+    journal.close()
+    again = Journal(tmp_path / "j.jsonl", {"x": 1})
+    again.lock(wait=False)
+    assert again.open() == {"c#1": cut, "c#0": Result("c#0", [2], "stop")}
+    again.close()
     # Had turn 1 stopped, turn 2's prompt (160 tokens) would leave nothing: closed, not asked.
     conversation.results.append(Result("c#1", [7] * 10 + [2], "stop"))
     assert conversation.next_request(None, None) is None

@@ -66,13 +66,15 @@ class Conversation:
         return len(self.results) == len(self.turns)
 
     def take(self, result: Result) -> Result:
-        """The result as recorded: a turn that used all of a cap below `max_new_tokens` (the
-        context was full) ends `context`, not `length`."""
-        if result.finish_reason == "length" and self.sampling is not None:
-            k = len(self.results)  # the turn this result answers
-            if self.sampling.turn_cap(len(self.prompts[k].ids)) < self.sampling.max_new_tokens:
-                return Result(result.id, result.completion_ids, CONTEXT_FULL, result.error)
-        return result
+        """The result as recorded: with the turn's cap when the context left less than
+        `max_new_tokens`, and a turn that used all of it ends `context`, not `length`."""
+        if self.sampling is None or result.finish_reason == "error":
+            return result
+        cap = self.sampling.turn_cap(len(self.prompts[len(self.results)].ids))
+        if cap >= self.sampling.max_new_tokens:
+            return result
+        reason = CONTEXT_FULL if result.finish_reason == "length" else result.finish_reason
+        return Result(result.id, result.completion_ids, reason, result.error, cap)
 
     def remaining_turns(self) -> int:
         return 0 if self.done() else len(self.turns) - len(self.results)

@@ -93,6 +93,8 @@ class Result:
     completion_ids: list[int] = field(default_factory=list)
     finish_reason: str = "error"
     error: str | None = None
+    # The turn's cap when the context left less than max_new_tokens (journaled with the turn).
+    max_new_tokens: int | None = None
 
 
 OnResult = Callable[[Result], None]
