@@ -147,3 +147,31 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
     proc = run_generate(tmp_path, "--eval")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert pq.read_table(tmp_path / "data/generated/eval.parquet").num_rows == 6
+
+
+def test_the_models_eos_ends_a_turn_as_the_end_of_turn_does(loaded):
+    """One stop rule on every engine: the end-of-turn token or the model's EOS, kept in the
+    ids (the SGLang stand-in and the vLLM client's tests hold the others to the same)."""
+    cfg, tok, lm = loaded
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    reqs = requests(tok, 3)
+    probe = collect(LocalEngine(lm, Sampling(6), 10**6, tok.pad_token_id, batch_size=3), reqs)
+    first = probe[reqs[0].id].completion_ids
+    eos = first[2]  # a token the model writes, taken as its EOS
+    engine = LocalEngine(lm, Sampling(6), eot, tok.pad_token_id, batch_size=3, eos=eos)
+    assert engine.stop_ids == [eot, eos]
+    r = collect(engine, reqs)[reqs[0].id]
+    assert r.finish_reason == "stop" and r.completion_ids == first[: first.index(eos) + 1]
+
+
+def test_a_turn_capped_by_the_context_stops_at_its_cap_with_the_same_tokens(loaded):
+    """A request's own cap (what its prompt leaves of the context) cuts it there, in a batch
+    with uncapped requests: the first tokens are those of the uncapped run."""
+    cfg, tok, lm = loaded
+    reqs = requests(tok, 3)
+    free = collect(LocalEngine(lm, Sampling(8), 10**6, tok.pad_token_id, batch_size=3), reqs)
+    capped = [reqs[0], Request(reqs[1].id, reqs[1].prompt_ids, max_new_tokens=3), reqs[2]]
+    out = collect(LocalEngine(lm, Sampling(8), 10**6, tok.pad_token_id, batch_size=3), capped)
+    assert out[reqs[1].id].completion_ids == free[reqs[1].id].completion_ids[:3]
+    assert out[reqs[1].id].finish_reason == "length"
+    assert out[reqs[0].id].completion_ids == free[reqs[0].id].completion_ids  # untouched

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 import yaml
 from helpers.generate_helpers import (
@@ -250,6 +251,57 @@ def test_shard_through_the_standin_aborts_early_and_keeps_its_journal(
     assert conversations <= set(ids) and conversations <= set(asked)
     expected_reason = "stop" if mode == "empty" else "length"
     assert {r.finish_reason for r in journaled.values()} == {expected_reason}
+
+
+def test_turns_cut_by_a_full_context_abort_naming_the_context_length():
+    def cut(i: int) -> dict:
+        return {**truncated(i), "finish_reason": "context"}
+
+    seen, message = abort_of(make_guard(), (cut(i) for i in range(400)))
+    assert seen <= 128 and "truncated_share" in message
+    assert "cut by a full context" in message and "model.serving.context_length" in message
+
+
+def test_conversations_that_fill_the_context_are_capped_then_closed_and_counted(
+    tmp_path, model_dir
+):
+    """No turn is refused for length: each asks for what its prompt leaves of the context
+    (the stand-in refuses more with HTTP 400, as SGLang does), a turn cut there ends its
+    conversation `context`, and validate's checks count those rows as cut short."""
+    import pyarrow.parquet as pq
+
+    from draftline.quality import checks
+
+    context, max_new = 64 + 220, 200  # CONTEXT_RESERVE + room for ~2 turns of ~110 tokens
+    server = StandIn(tmp_path, "--think-tokens", "100", "--context-length", str(context))
+    make_workdir(
+        tmp_path,
+        model_dir,
+        n=24,
+        multi_turn=True,
+        max_new_tokens=max_new,
+        hardware=sglang_hardware(server.port, 8),
+        generate={"guard": False},
+    )
+    params_path = tmp_path / "params.yaml"
+    params = yaml.safe_load(params_path.read_text(encoding="utf-8"))
+    params["model"]["serving"] = {"context_length": context}
+    params_path.write_text(yaml.safe_dump(params), encoding="utf-8")
+    with server:
+        proc = run_generate(tmp_path, "--shard", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
+    assert not any(r["finish_reason"] == "error" for r in rows)  # nothing refused
+    full = [r for r in rows if r["finish_reason"] == "context"]
+    assert full and all(r["turns"] >= 2 for r in full)  # first turns fit; later ones fill it
+    for r in full:
+        assert r["num_prompt_tokens"] + r["num_completion_tokens"] <= context - 64
+        assert json.loads(r["sampling"])["context_length"] == context  # recorded per row
+    table = pd.DataFrame(rows)
+    results = {c.name: c for c in checks.run_checks(table, DEFAULT_QUALITY, thinking=True)}
+    share = sum(r["finish_reason"] in ("length", "context") for r in rows) / len(rows)
+    assert results["truncated_share"].observed == pytest.approx(share) and share > 0
+    assert results["conversation_complete"].observed < 1.0
 
 
 # The same cases when the chat template opens <think> in the prompt (Qwen3.6): good replies pass,

@@ -202,3 +202,48 @@ def test_stream_shards_follow_dvc_order_within_the_bound():
     assert stream_shards(1, ids, 3, lambda s: s != 3) == [1, 2, 4]
     assert stream_shards(4, ids, 3, lambda s: True) == [4, 5]
     assert stream_shards(2, ids, 0, lambda s: True) == [2]
+
+
+def test_each_turn_asks_for_what_its_prompt_leaves_of_the_context_and_a_full_one_closes(
+    tmp_path,
+):
+    """`Conversation`: a turn's request is capped to its room in the context (no engine
+    refuses it), a result that used all of a cap below max_new_tokens ends `context`, and a
+    conversation whose next prompt leaves no room asks nothing more and is done."""
+    from draftline.core.turn_prompts import TurnPrompt
+    from draftline.generation.engines.base import CONTEXT_RESERVE, Sampling
+    from draftline.generation.turns import Conversation
+
+    sampling = Sampling(max_new_tokens=100, context_length=CONTEXT_RESERVE + 150)
+    conversation = Conversation("c", [], [1, 3, 5], {}, sampling=sampling)
+    lengths = [40, 120, 160]  # prompt tokens of turns 0, 1, 2 (as the template renders them)
+    conversation.prompts = [TurnPrompt(list(range(n)), []) for n in lengths]
+    first = conversation.next_request(None, None)
+    assert isinstance(first, Request) and first.max_new_tokens is None  # 100 fits in 110
+    conversation.results.append(conversation.take(Result("c#0", [7] * 20 + [2], "stop")))
+    second = conversation.next_request(None, None)
+    assert isinstance(second, Request) and second.max_new_tokens == 30  # 150 - 120
+    cut = conversation.take(Result("c#1", [7] * 30, "length"))
+    assert (cut.finish_reason, cut.max_new_tokens) == ("context", 30)  # the cap, recorded
+    assert conversation.take(cut) == cut
+    stopped = conversation.take(Result("c#1", [7] * 5 + [2], "stop"))
+    assert (stopped.finish_reason, stopped.max_new_tokens) == ("stop", 30)
+    from draftline.generation.journal import Journal  # the cap is journaled with the turn
+
+    journal = Journal(tmp_path / "j.jsonl", {"x": 1})
+    journal.lock(wait=False)
+    journal.open()
+    journal.append([cut, Result("c#0", [2], "stop")])
+    journal.close()
+    again = Journal(tmp_path / "j.jsonl", {"x": 1})
+    again.lock(wait=False)
+    assert again.open() == {"c#1": cut, "c#0": Result("c#0", [2], "stop")}
+    again.close()
+    # Had turn 1 stopped, turn 2's prompt (160 tokens) would leave nothing: closed, not asked.
+    conversation.results.append(Result("c#1", [7] * 10 + [2], "stop"))
+    assert conversation.next_request(None, None) is None
+    assert conversation.closed and conversation.done() and conversation.remaining_turns() == 0
+    # Without a context length nothing is capped (the embedded targets' runs are unchanged).
+    free = Conversation("f", [], [1], {}, sampling=Sampling(max_new_tokens=100))
+    free.prompts = [TurnPrompt(list(range(10_000)), [])]
+    assert free.next_request(None, None).max_new_tokens is None

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -86,8 +87,8 @@ def test_pro6000x4_router_over_four_data_parallel_engines():
     assert f["--dp-size"] == "4" and f["--tp-size"] == "1"
     assert f["--model-path"] == "Qwen/Qwen3.6-27B" and f["--revision"] == "main"
     assert f["--host"] == "127.0.0.1" and f["--port"] == "30000"
-    assert "--quantization" not in f and "--kv-cache-dtype" not in f  # bf16, kv cache auto
-    assert f["--mem-fraction-static"] == "0.85" and f["--context-length"] == "16384"
+    assert f["--quantization"] == "fp8" and "--kv-cache-dtype" not in f  # kv cache auto
+    assert f["--mem-fraction-static"] == "0.85" and f["--context-length"] == "262144"
     assert f["--max-running-requests"] == "256"
     assert f["--speculative-algorithm"] == "NEXTN"  # MTP: the target's own MTP head
     assert (f["--speculative-num-steps"], f["--speculative-eagle-topk"]) == ("3", "1")
@@ -102,9 +103,9 @@ def test_b200x8_eight_engines_serve_what_the_model_says():
     assert cmd[:3] == ["python3", "-m", "sglang_router.launch_server"]
     f = flags(cmd)
     assert f["--dp-size"] == "8" and f["--tp-size"] == "1"
-    # bf16 as on pro6000x4: precision is the model's choice, not the node's (it was fp8 here).
-    assert "--quantization" not in f and "--kv-cache-dtype" not in f
-    assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "16384"
+    # FP8 as on pro6000x4: precision is the model's choice, not the node's.
+    assert f["--quantization"] == "fp8" and "--kv-cache-dtype" not in f
+    assert f["--mem-fraction-static"] == "0.88" and f["--context-length"] == "262144"
     assert f["--max-running-requests"] == "512"
     assert f["--speculative-algorithm"] == "NEXTN"
     assert f["--speculative-num-steps"] == "3" and f["--speculative-num-draft-tokens"] == "4"
@@ -112,6 +113,63 @@ def test_b200x8_eight_engines_serve_what_the_model_says():
     assert f["--host"] == "127.0.0.1"
     # Flags appear once each, values right after them.
     assert len([a for a in cmd if a.startswith("--")]) == len(f)
+
+
+@pytest.mark.parametrize("name", ("pro6000x4", "b200x8"))
+def test_router_waits_longer_than_the_client_and_leaves_retries_to_it(name):
+    """The router's request timeout is above the client's for the same answer (both from
+    max_new_tokens at one request's decode rate), and only the client retries."""
+    from draftline.generation import timeouts
+
+    profile = PROFILES[name]
+    f = flags(server_command(profile, TARGET, python="python3"))
+    client = timeouts.client_timeout_s(profile, TARGET["max_new_tokens"])
+    # One request's share of the node (low end of the range) decodes the longest answer twice.
+    throughput = profile["throughput"]
+    low = (throughput.get("generate_tok_s_range") or [throughput["generate_tok_s"]])[0]
+    rate = low / profile["sglang"]["max_in_flight"]
+    assert client >= 2 * TARGET["max_new_tokens"] / rate > 1800  # the router's old default
+    assert int(f["--router-request-timeout-secs"]) > client
+    assert f["--router-disable-retries"] is True
+    single = {**profile, "sglang": {**profile["sglang"], "dp_size": 1}}
+    assert "--router-request-timeout-secs" not in server_command(single, TARGET, python="p")
+
+
+def test_host_cache_is_split_over_the_engines_of_the_node():
+    """Each DP engine gets its share of the node's RAM (`--hicache-size`, GB per engine), never
+    a pool sized as if it were alone; an explicit figure wins; doctor says which."""
+    from draftline.generation import host_cache
+
+    sg = dict(PROFILES["b200x8"]["sglang"])
+    ram = 2_000 * 10**9  # a 2 TB B200 node
+    assert host_cache.host_cache_gb(sg, ram) == 125  # 0.5 x 2,000 GB / 8 engines
+    assert host_cache.host_cache_gb({**sg, "host_cache_gb_per_engine": 64}, ram) == 64
+    assert host_cache.host_cache_gb({**sg, "hierarchical_cache": False}, ram) is None
+    line = host_cache.describe(sg, ram)
+    assert "--hicache-size 125 GB per engine, 1,000 GB in all" in line and "8 ranks" in line
+    pro = dict(PROFILES["pro6000x4"]["sglang"])
+    assert host_cache.host_cache_gb(pro, 256 * 10**9) == 32  # 0.5 x 256 GB / 4 engines
+    f = flags(server_command(PROFILES["b200x8"], TARGET, python="python3"))
+    assert int(f["--hicache-size"]) == host_cache.host_cache_gb(sg)  # this node's RAM
+    from draftline.commands import doctor  # `draftline doctor` shows this node's figure
+
+    (row,) = doctor._host_cache_rows({"hardware": PROFILES["b200x8"]})
+    assert row[0] == "host cache (b200x8)" and row[1] is True
+    assert (
+        row[2] == host_cache.describe(sg) and f"--hicache-size {f['--hicache-size']} GB" in row[2]
+    )
+    assert doctor._host_cache_rows({"hardware": PROFILES["cpu"]}) == []
+
+
+def test_served_context_length_is_the_models_and_a_profile_cannot_contradict_it():
+    profile = PROFILES["b200x8"]
+    other = {**profile, "sglang": {**profile["sglang"], "context_length": 16384}}
+    with pytest.raises(ServeError, match="differs from the served"):
+        server_command(other, TARGET, python="python3")
+    deterministic = {**TARGET, "serving": {**TARGET["serving"], "deterministic_inference": True}}
+    f = flags(server_command(profile, deterministic, python="python3"))
+    assert f["--enable-deterministic-inference"] is True
+    assert "--enable-deterministic-inference" not in server_command(profile, TARGET, python="p")
 
 
 # What is served: a choice of the model, the same on every hardware profile.
@@ -344,6 +402,68 @@ def test_start_status_stop_lifecycle(tmp_path, launcher):
     assert "no server started" in out
 
 
+def post_generate(url: str) -> int:
+    body = json.dumps({"input_ids": [1, 7, 8, 2], "sampling_params": {"max_new_tokens": 8}})
+    request = urllib.request.Request(
+        f"{url}/generate", body.encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_router_counts_as_ready_only_when_every_engine_is(tmp_path, launcher):
+    """sglang_router's `/health` answers before its engines have loaded (the stand-in models
+    it): `serve start` returns only once every engine it logged answers its own `/health`, so
+    a stage started then gets answers, not 503s."""
+    env, _, _ = launcher
+    root = workdir(tmp_path / "repo")
+    port = free_port()
+    slow = {sglang_server.LAUNCHER_ENV: env[sglang_server.LAUNCHER_ENV] + " --startup-delay 3"}
+    rc, out = serve(root, "start", "--port", str(port), "--timeout", "60", env=slow)
+    try:
+        assert rc == 0, out
+        url = f"http://127.0.0.1:{port}"
+        log = root / "logs" / "serve" / f"sglang-{port}.log"
+        engines = sglang_server.engine_urls(log, "127.0.0.1")
+        assert len(engines) == 4 and all(answers(e) for e in engines)
+        assert post_generate(url) == 200  # ready means served, right away
+    finally:
+        serve(root, "stop", "--port", str(port))
+    # The hazard it waits out: the router alive and answering /health, no engine loaded yet.
+    args = [sys.executable, str(STANDIN), "--port", str(port), "--dp-size", "2"]
+    proc = subprocess.Popen([*args, "--startup-delay", "600"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert all("Launching DP server process" in line for line in lines)
+        deadline = time.monotonic() + 20
+        while not answers(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert answers(f"http://127.0.0.1:{port}")  # the router's liveness
+        assert post_generate(f"http://127.0.0.1:{port}") == 503
+        engine_ports = [int(line.split(" on port ")[1].split()[0]) for line in lines]
+        assert not any(answers(f"http://127.0.0.1:{p}") for p in engine_ports)
+        missing = sglang_server.engines_missing(PROFILES["pro6000x4"])
+        log = tmp_path / "router.log"
+        log.write_text("".join(lines), encoding="utf-8")
+        assert missing(log) == "0 of 4 engines healthy behind the router"  # 2 of 4 even logged
+        # A stage finding this router up waits for its engines, and says so when they never come.
+        two = {**PROFILES["pro6000x4"], "sglang": {**PROFILES["pro6000x4"]["sglang"]}}
+        two["sglang"].update(dp_size=2, port=port)
+        state = sglang_server.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
+        state_file = sglang_server.state_path(port, tmp_path)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(state.__dict__), encoding="utf-8")
+        with pytest.raises(ServeError, match="up but not ready: 0 of 2 engines healthy"):
+            sglang_server.wait_for_engines(two, timeout_s=0.5, root=tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_status_tells_a_dead_server_and_stop_ends_its_orphaned_engines(tmp_path, launcher):
     env, engine_pid_file, _ = launcher
     root = workdir(tmp_path / "repo")
@@ -392,7 +512,8 @@ def test_start_timeout_stops_the_server_that_never_got_healthy(tmp_path, launche
     port = free_port()
     rc, out = serve(root, "start", "--port", str(port), "--timeout", "3", env=env)
     assert rc == 1
-    assert f"SGLang server on port {port} not healthy after 3s (stopped)" in out
+    # The router answers /health at once (its liveness); its engines never load.
+    assert f"SGLang server on port {port} not ready after 3s: 0 of 4 engines healthy" in out
     assert f"Last lines of logs/serve/sglang-{port}.log" in out
     assert wait_gone(int(engine_pid_file.read_text()), 1) and not listening(port)
     assert not sglang_server.state_path(port, root).exists()
@@ -559,3 +680,34 @@ def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
         assert "draftline serve start --drafter models/drafter" in done.stdout + done.stderr
     finally:
         serve(root, "stop", "--all")
+
+
+def test_bench_on_one_node_serves_the_drafter_then_the_baseline_never_both(tmp_path):
+    """`bench --drafter`: each server takes all of a node's GPUs, so bench starts the drafter's,
+    measures and stops it, then the baseline's, on the profile's one port. Some answers end on
+    their first token, for which SGLang reports no `spec_verify_ct` (the stand-in leaves it
+    out as SGLang does): they count for speed, not for acceptance, and abort nothing."""
+    port = free_port()
+    root = bench_workdir(tmp_path / "repo", port)
+    command = [sys.executable, str(STANDIN), *STANDIN_IDS, "--accept-length", "3",
+               "--step-s", "0.002", "--one-token-share", "0.3"]  # fmt: skip
+    env = {**os.environ, sglang_server.LAUNCHER_ENV: shlex.join(command)}
+    bench = [sys.executable, "-m", "draftline", "bench", "--concurrency", "4",
+             "--drafter", "models/drafter"]  # fmt: skip
+    done = subprocess.run(bench, cwd=root, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.index("starting the drafter server") < out.index("starting the baseline server")
+    # One port, two launches in turn: the drafter's (DFLASH), then one without speculation.
+    launches = (root / f"logs/serve/sglang-{port}.log").read_text().split("\n=== ")[1:]
+    assert len(launches) == 2
+    assert "--speculative-algorithm DFLASH" in launches[0]
+    assert "--speculative-algorithm" not in launches[1]
+    assert not sglang_server.read_states(root)  # both stopped
+    record = json.loads((root / "logs/runs/bench.json").read_text())
+    assert record["speedup"] == pytest.approx(
+        record["output_tok_s"] / record["baseline_output_tok_s"]
+    )
+    # Answers without verify steps left out of acceptance only: still SGLang's ratio in (2, 3].
+    assert record["completion_tokens"] > record["verify_steps"] * 2
+    assert 2.0 < record["acceptance_length"] <= 3.0

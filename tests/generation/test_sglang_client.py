@@ -16,7 +16,13 @@ import pytest
 from helpers.generate_helpers import StandIn, free_port
 from helpers.sglang_standin import build_parser, completion_for
 
-from draftline.generation.engines.base import EngineUnavailable, Request, Result, Sampling
+from draftline.generation.engines.base import (
+    CONTEXT_RESERVE,
+    EngineUnavailable,
+    Request,
+    Result,
+    Sampling,
+)
 from draftline.generation.engines.sglang import (
     ClientSettings,
     SGLangEngine,
@@ -280,3 +286,54 @@ def test_priorities_are_sent_only_to_servers_that_schedule_by_them():
     assert "priority" not in plain  # an older server would reject the field
     ordered = json.loads(engine("http://127.0.0.1:1", priorities=True)._payload(request, 0))
     assert ordered["priority"] == 4 and ordered["rid"] == "c#0-0"
+
+
+def test_a_turn_capped_to_its_room_in_the_context_is_served_where_the_full_ask_is_refused(
+    tmp_path,
+):
+    """SGLang refuses `input + reserved draft slots + max_new_tokens > context_length` with
+    HTTP 400, which nobody retries; the turn's cap (`Sampling.turn_cap`) asks for what is left."""
+    sampling = Sampling(max_new_tokens=200, context_length=400)
+    prompt = list(range(10, 210))  # 200 tokens
+    cap = sampling.turn_cap(len(prompt))
+    assert cap == 400 - CONTEXT_RESERVE - 200 < sampling.max_new_tokens
+    args = ["--mode", "truncated", "--context-length", "400", "--speculative-algorithm", "NEXTN"]
+    args += ["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]
+    with StandIn(tmp_path, *args) as s:
+        settings = ClientSettings(endpoints=(s.url,), max_retries=1, backoff_base_s=0.01)
+        out = run(
+            SGLangEngine(settings, sampling, EOT),
+            [Request("full", prompt), Request("capped", prompt, max_new_tokens=cap)],
+        )
+    assert out["full"].finish_reason == "error" and "context length" in (out["full"].error or "")
+    assert out["capped"].finish_reason == "length" and len(out["capped"].completion_ids) == cap
+
+
+def test_the_models_eos_stops_a_turn_and_is_stored_as_the_end_of_turn_is(tmp_path):
+    """SGLang stops on the model's EOS whatever the request says (and `ignore_eos` would turn
+    off the end-of-turn stop too): the client asks for both and keeps the stop token."""
+    eos = 9
+    with StandIn(tmp_path, "--mode", "eos", "--model-eos", str(eos)) as s:
+        client = SGLangEngine(ClientSettings(endpoints=(s.url,)), SAMPLING, EOT, eos=eos)
+        assert client.params["stop_token_ids"] == [EOT, eos]
+        assert "ignore_eos" not in client.params
+        r = run(client, reqs(1))["s00000"]
+    assert r.finish_reason == "stop" and r.completion_ids[-1] == eos
+    assert r.completion_ids.count(eos) == 1 and len(r.completion_ids) == 4
+
+
+def test_a_sampled_turn_sends_its_own_seed_on_every_try():
+    """`sampling_seed` (honoured under --enable-deterministic-inference) from the run's seed and
+    the turn's id: a retry sends the same one; greedy requests send none."""
+    sampled = Sampling(max_new_tokens=8, temperature=1.0, seed=5)
+    client = SGLangEngine(ClientSettings(endpoints=("http://x",)), sampled, EOT)
+    first = json.loads(client._payload(Request("c#1", [1]), attempt=0))["sampling_params"]
+    retry = json.loads(client._payload(Request("c#1", [1]), attempt=3))["sampling_params"]
+    other = json.loads(client._payload(Request("c#2", [1]), attempt=0))["sampling_params"]
+    assert first["sampling_seed"] == retry["sampling_seed"] != other["sampling_seed"]
+    assert first["sampling_seed"] == sampled.request_seed("c#1")
+    greedy = SGLangEngine(ClientSettings(endpoints=("http://x",)), SAMPLING, EOT)
+    assert (
+        "sampling_seed"
+        not in json.loads(greedy._payload(Request("c#1", [1]), 0))["sampling_params"]
+    )

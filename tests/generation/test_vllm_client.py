@@ -25,6 +25,7 @@ from draftline.runtime import hardware
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = hardware.load_profiles(REPO / "conf")["vllm_cpu"]
 EOT = 2
+EOS = 3
 
 
 def answer(token_ids: list[int] | None, finish: str, stop_reason: int | None = None) -> dict:
@@ -33,18 +34,29 @@ def answer(token_ids: list[int] | None, finish: str, stop_reason: int | None = N
     }
 
 
-def test_the_request_stops_at_the_end_of_turn_only_and_asks_for_ids() -> None:
-    engine = VLLMEngine(ClientSettings(endpoints=("http://x",)), Sampling(32), EOT)
+def test_the_request_stops_at_the_end_of_turn_or_eos_and_asks_for_ids() -> None:
+    engine = VLLMEngine(ClientSettings(endpoints=("http://x",)), Sampling(32), EOT, eos=EOS)
     body = orjson.loads(engine._payload(Request("a", [1, 5, 6]), attempt=1))
     assert body["prompt"] == [1, 5, 6] and body["max_tokens"] == 32
-    assert body["stop_token_ids"] == [EOT] and body["ignore_eos"] is True
+    # The rule of every engine: end of turn or the model's EOS, never `ignore_eos`.
+    assert body["stop_token_ids"] == [EOT, EOS] and "ignore_eos" not in body
     assert body["return_token_ids"] is True and body["temperature"] == 0.0
+    # A turn whose prompt leaves less of the context than max_new_tokens asks for that much.
+    capped = orjson.loads(engine._payload(Request("a", [1], max_new_tokens=5), attempt=0))
+    assert capped["max_tokens"] == 5
     assert body["request_id"] == "a-1" and "seed" not in body  # greedy: no seed
     sampled = VLLMEngine(ClientSettings(endpoints=("http://x",)), Sampling(8, 0.7, seed=3), EOT)
     one = orjson.loads(sampled._payload(Request("a", [1]), attempt=0))["seed"]
     again = orjson.loads(sampled._payload(Request("a", [1]), attempt=4))["seed"]
     other = orjson.loads(sampled._payload(Request("b", [1]), attempt=0))["seed"]
     assert one == again != other  # a retry draws as the first try did; samples differ
+
+
+def test_an_answer_ending_on_eos_is_stored_with_it_as_every_engine_stores_it() -> None:
+    eos = parse_completion("a", answer([7, EOS, 9], "stop", EOS), EOT, EOS)
+    assert (eos.completion_ids, eos.finish_reason) == ([7, EOS], "stop")
+    trimmed = parse_completion("a", answer([7], "stop", EOS), EOT, EOS)
+    assert trimmed.completion_ids == [7, EOS] and trimmed.finish_reason == "stop"
 
 
 def test_answers_are_read_as_ids_cut_after_the_end_of_turn() -> None:

@@ -6,7 +6,20 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
   "meta_info": {"id", "finish_reason": {"type": "stop", "matched": <id>} | {"type": "length",
   "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}` (a list
   of those for a batch), and `{"error": {"message"}}` with HTTP 400 for a malformed request;
+- stopping as SGLang 0.5.23 does (`Req._check_token_based_finish`): at the first token in
+  `stop_token_ids` or the model's EOS (`--model-eos`, the stand-in's model property: SGLang reads
+  it from the model's config whatever the request says), the stop token kept in `output_ids`;
+  `ignore_eos` turns off both; `--mode eos` makes the model write its EOS mid-answer;
+- the context length (`--context-length`): HTTP 400 with SGLang's messages when the input, plus
+  the draft-token slots EAGLE/NEXTN speculation reserves, reaches it, or when that plus
+  `max_new_tokens` passes it (`TokenizerManager._validate_input_ids_in_context_length`);
 - `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading;
+- a router in front of DP engines when started with `--dp-size N` (N > 1), as
+  `python -m sglang_router.launch_server` (sglang-router 0.3.2) is: it starts N engines on ports
+  of their own, logging `Launching DP server process <i> on port <port>` for each as its
+  launcher does, each loading for `--startup-delay`; the router's own `/health` is its liveness
+  probe and answers 200 at once, before any engine is ready, and its `/generate` answers 503
+  while no engine is (the gateway's docs: docs/advanced_features/sgl_model_gateway.md);
 - speculative decoding: started with SGLang's `--speculative-algorithm` (and
   `--speculative-num-draft-tokens`), `meta_info` also carries `spec_verify_ct`, the number of
   verify steps (target forwards) the request took, as SGLang reports it; each step commits
@@ -58,18 +71,53 @@ def completion_for(prompt: list[int], params: dict[str, Any], opts: argparse.Nam
         out = [opts.think_start, *think, opts.think_end, *body[n_think : n_think + n_answer]]
     elif opts.mode == "empty":
         out = body[:2]
+    elif opts.mode == "eos":  # the model ends the document mid-answer, then would go on
+        out = [*body[:3], opts.model_eos, *body[3:6]]
     else:  # truncated: keeps going
         out = (body * (max_new // len(body) + 1))[: max_new + 1]
-    if opts.mode != "truncated" and stops:
+    if opts.mode not in ("truncated", "eos") and stops:
         out.append(stops[0])
-    if len(out) > max_new:
-        out = out[:max_new]
-        reason: dict[str, Any] = {"type": "length", "length": max_new}
-    elif stops and out and out[-1] in stops:
-        reason = {"type": "stop", "matched": out[-1]}
+    if digest[4] < 256 * opts.one_token_share and stops:
+        out = [stops[0]]  # the answer ends on its first token
+    ends = {*stops, opts.model_eos} - {-1}
+    if params.get("ignore_eos"):
+        ends = set()  # SGLang 0.5.23 skips stop_token_ids as well under ignore_eos
+    first = next((i for i, t in enumerate(out) if t in ends), None)
+    if first is not None and first < max_new:
+        out = out[: first + 1]
+        reason: dict[str, Any] = {"type": "stop", "matched": out[-1]}
     else:
+        out = out[:max_new]
         reason = {"type": "length", "length": len(out)}
     return {"output_ids": out, "reason": reason}
+
+
+def reserved_tokens(opts: argparse.Namespace) -> int:
+    """Output slots SGLang counts as input for EAGLE-family speculation (MTP's NEXTN included):
+    max(topk x steps, draft tokens) (`managers.utils.compute_num_reserved_tokens`)."""
+    if (opts.speculative_algorithm or "").upper() not in ("EAGLE", "EAGLE3", "NEXTN"):
+        return 0
+    steps, topk = opts.speculative_num_steps or 1, opts.speculative_eagle_topk or 1
+    return max(topk * steps, opts.speculative_num_draft_tokens or 0)
+
+
+def context_error(prompt: list[int], params: dict[str, Any], opts: argparse.Namespace) -> str:
+    """SGLang's refusal of a request that does not fit the context length, or ""."""
+    if not opts.context_length:
+        return ""
+    used = len(prompt) + reserved_tokens(opts)
+    if used >= opts.context_length:
+        return (
+            f"The input ({used} tokens) is longer than the model's context length "
+            f"({opts.context_length} tokens)."
+        )
+    max_new = int(params.get("max_new_tokens", 128))
+    if used + max_new > opts.context_length:
+        return (
+            "Requested token count exceeds the model's maximum context length of "
+            f"{opts.context_length} tokens. You requested a total of {used + max_new} tokens"
+        )
+    return ""
 
 
 class StandIn:
@@ -121,6 +169,9 @@ class StandIn:
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         answers = []
         forwards = 0
+        for prompt in prompts:
+            if error := context_error(prompt, data.get("sampling_params") or {}, o):
+                return web.json_response({"error": {"message": error}}, status=400)
         for prompt, one_rid in zip(prompts, rids, strict=True):
             gen = completion_for(prompt, data.get("sampling_params") or {}, o)
             n = len(gen["output_ids"])
@@ -133,8 +184,12 @@ class StandIn:
             }
             if o.speculative_algorithm:
                 per_step = min(o.accept_length, (o.speculative_num_draft_tokens or 16))
-                meta["spec_verify_ct"] = max(1, math.ceil(n / per_step))
-                forwards = max(forwards, meta["spec_verify_ct"])
+                # The prefill writes the first token: an answer of one token had no verify
+                # step, and SGLang leaves spec_verify_ct out when it is 0.
+                steps = max(1, math.ceil(n / per_step)) if n > 1 else 0
+                if steps:
+                    meta["spec_verify_ct"] = steps
+                forwards = max(forwards, steps, 1)
             else:
                 forwards = max(forwards, n)
             answers.append({"text": "", "output_ids": gen["output_ids"], "meta_info": meta})
@@ -159,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--mode", choices=["think", "empty", "truncated"], default="think")
+    p.add_argument("--mode", choices=["think", "empty", "truncated", "eos"], default="think")
+    p.add_argument("--model-eos", type=int, default=-1, help="the model's EOS id (-1: none)")
     p.add_argument("--think-start", type=int, default=5)
     p.add_argument("--think-end", type=int, default=6)
     p.add_argument("--think-tokens", type=int, default=0)
@@ -181,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     # SGLang's own flags this stand-in honours (the rest of a real command line is ignored).
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculative-num-steps", type=int, default=None)
+    p.add_argument("--speculative-eagle-topk", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--one-token-share", type=float, default=0.0, help="answers of one token")
     return p
 
 
@@ -192,11 +253,60 @@ def make_app(opts: argparse.Namespace) -> web.Application:
     return app
 
 
+def make_router_app(opts: argparse.Namespace) -> web.Application:
+    """The router: alive at once, serving only once its engines (same model, same loading
+    time) are ready."""
+    server = StandIn(opts)
+
+    async def liveness(request: web.Request) -> web.Response:
+        return web.json_response({"status": "healthy"})
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        if time.monotonic() < server.ready_at:
+            return web.json_response({"error": {"message": "No available workers"}}, status=503)
+        return await server.generate(request)
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_get("/health", liveness)
+    app.router.add_post("/generate", generate)
+    return app
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+async def _serve_router(opts: argparse.Namespace) -> None:
+    sites = []
+    for rank in range(opts.dp_size):
+        port = _free_port(opts.host)
+        print(
+            f"[Router (Python)] {time.strftime('%Y-%m-%d %H:%M:%S')} - INFO - Launching DP "
+            f"server process {rank} on port {port} - launch_server.py:182",
+            file=sys.stderr,
+            flush=True,
+        )
+        sites.append((make_app(opts), port))
+    sites.append((make_router_app(opts), opts.port))
+    for app, port in sites:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, opts.host, port, backlog=4096).start()
+    await asyncio.Event().wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     opts, _unknown = build_parser().parse_known_args(argv)  # real SGLang flags are accepted
     if opts.argv_log:
         with open(opts.argv_log, "w", encoding="utf-8") as f:
             json.dump(sys.argv if argv is None else argv, f)
+    if opts.dp_size > 1:
+        asyncio.run(_serve_router(opts))
+        return
     web.run_app(
         make_app(opts), host=opts.host, port=opts.port, print=None, access_log=None, backlog=4096
     )

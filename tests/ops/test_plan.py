@@ -109,6 +109,30 @@ def test_seed_generation_days_on_pro6000_and_b200(seed_plan):
     assert b200["over_limit"] is False
 
 
+def test_the_plan_assumes_the_served_precision_and_says_what_each_figure_is_for(
+    seed_params, seed_plan, profiles, capsys
+):
+    """One source of truth: the precision `serve start` launches (model.serving.quantization)
+    is the one the plan states; each profile's figure says its own (b200x8's estimate is for
+    FP8, the seed node measured bf16, a floor for FP8)."""
+    from draftline.generation.sglang_server import server_command
+
+    served = seed_plan["model"]["served_precision"]
+    assert served == {"value": "fp8", "source": "model.serving.quantization"}
+    cmd = server_command(profiles["b200x8"], seed_params["model"], python="p")
+    assert cmd[cmd.index("--quantization") + 1] == served["value"]
+    b200, pro = (seed_plan["profiles"][n]["generate_precision"] for n in ("b200x8", "pro6000x4"))
+    assert (b200["value"], b200["matches"]) == ("fp8", True)
+    assert (pro["value"], pro["matches"]) == ("bf16", False)
+    line = plan_figures.precision_text(seed_plan, list(seed_plan["profiles"].values()))
+    assert "generation time assumes fp8 weights" in line and "pro6000x4 bf16" in line
+    bf16 = {**seed_params["model"], "serving": {**seed_params["model"]["serving"]}}
+    bf16["serving"]["quantization"] = None
+    plan = planning.build_plan({**seed_params, "model": bf16}, profiles, {}, **SEED_SIZES)
+    assert plan["model"]["served_precision"]["value"] == "bf16"
+    assert plan["profiles"]["b200x8"]["generate_precision"]["matches"] is False
+
+
 def test_generation_counts_turns_prefill_and_the_schedule(seed_params, seed_plan, profiles):
     """Per turn, prefill included, over the utilisation the scheduler measured, named."""
     gen = seed_plan["generation"]
@@ -466,6 +490,7 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         "num_parameters": 27_000_000_000,
         "target_layers": 5,
         "hidden_size": 5120,
+        "served_precision": {"value": "fp8", "source": "model.serving.quantization"},
     }
     assert set(out["profiles"]) == {"cpu", "vllm_cpu", "pro6000x4", "b200x8"}
     for prof in out["profiles"].values():

@@ -1,10 +1,14 @@
 """Measure the trained drafter against a live SGLang or vLLM server, before deploying it.
 
-  draftline serve start --drafter models/drafter --port 30001
-  draftline serve start --no-speculation --port 30002
-  draftline bench --url http://127.0.0.1:30001 --baseline-url http://127.0.0.1:30002
+  draftline bench --drafter models/drafter     # on one node: each server in turn
+  draftline bench --url http://node-a:30000 --baseline-url http://node-b:30000
   draftline serve start --hardware vllm_cpu --drafter models/drafter     # vLLM, port 31000
   draftline bench --engine vllm --url http://127.0.0.1:31000
+
+With `--drafter`, bench starts the profile's server with the drafter, measures it, stops it, then
+does the same without speculation: each takes all of the node's GPUs (mem_fraction_static of
+each), so the two never run at once. With `--url` (and `--baseline-url`) it measures servers
+already running, e.g. on two nodes.
 
 Sends the held-out prompts (`data/generated/eval.parquet`, `evaluate.max_prompts` of them, as
 token ids) at the serving temperature (`evaluate.temperature`, top_p, top_k) to both servers and
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from draftline.runtime import hardware, params, run_log
 
@@ -33,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", default=None, help="server with the drafter (default: the profile's address)"
     )
     parser.add_argument("--baseline-url", default=None, help="server without speculation")
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="exported drafter: start its server and the baseline's on this node, one after "
+        "the other (each takes every GPU), measure each and stop it",
+    )
     parser.add_argument("--eval", default="data/generated/eval.parquet", help="held-out prompts")
     parser.add_argument("--max-prompts", type=int, default=None, help="default evaluate's")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
@@ -81,13 +93,22 @@ def run(args: argparse.Namespace) -> int:
         top_p=float(ev.get("top_p") or 1.0),
         top_k=int(ev.get("top_k") or -1),
     )
-    request = (completion_params if engine == "vllm" else sampling_params)(sampling, eot)
-    speculative = bench.run_server(url, prompts, request, args.concurrency, "drafter", engine)
+    eos = model.get("eos_token_id")
+    request = (completion_params if engine == "vllm" else sampling_params)(sampling, eot, eos)
+
+    def measure(at: str, label: str) -> bench.ServerRun:
+        return bench.run_server(at, prompts, request, args.concurrency, label, engine)
+
     baseline = None
-    if args.baseline_url:
-        baseline = bench.run_server(
-            args.baseline_url, prompts, request, args.concurrency, "baseline", engine
-        )
+    if args.drafter:  # this node's servers, one at a time
+        timeout = float((p.get("generate") or {}).get("serve_timeout_s", 1800))
+        speculative = served(server, profile, model, args.drafter, timeout, measure, "drafter")
+        baseline = served(server, profile, model, None, timeout, measure, "baseline")
+        url = args.baseline_url = server.server_url(profile)
+    else:
+        speculative = measure(url, "drafter")
+        if args.baseline_url:
+            baseline = measure(args.baseline_url, "baseline")
     offline = offline_tau(Path(args.offline))
     record = {
         **bench.summary(speculative, baseline),
@@ -114,6 +135,40 @@ def run(args: argparse.Namespace) -> int:
         f"({record['requests']} prompts, {engine})"
     )
     return 0
+
+
+def served(
+    server: Any,
+    profile: dict[str, Any],
+    model: dict[str, Any],
+    drafter: str | None,
+    timeout_s: float,
+    measure: Callable[[str, str], Any],
+    label: str,
+) -> Any:
+    """Start the profile's server with `drafter` (None: without speculation), measure it and
+    stop it, so the next one has the node's GPUs to itself."""
+    from draftline.generation import server_process, sglang_server
+
+    port = server.bind_port(profile)
+    running = [
+        s for s in server_process.read_states() if s.port == port and server_process.alive(s)
+    ]
+    if running:
+        raise SystemExit(
+            f"bench --drafter starts its own servers on port {port}, which a server started "
+            f"earlier holds (pid {running[0].pid}): `draftline serve stop --port {port}` first"
+        )
+    spec = sglang_server.with_speculation(model, drafter, off=drafter is None)
+    print(f"bench: starting the {label} server ({server.server_url(profile)})")
+    try:
+        state = server.start(profile, spec, timeout_s=timeout_s)
+    except sglang_server.ServeError as exc:
+        raise SystemExit(f"bench: the {label} server did not start: {exc}") from exc
+    try:
+        return measure(state.url, label)
+    finally:
+        server_process.stop(state)
 
 
 def offline_tau(path: Path) -> dict[str, float | None]:

@@ -95,6 +95,7 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
     chosen = hardware.match_profile(gpus, hardware.load_profiles(config_dir))
     profile = _profile(run_params, config_dir)
     rows.extend(_hybrid_rows(run_params, profile))
+    rows.extend(_host_cache_rows(run_params))
     gpu_text = ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) or "none"
     rows.append(("gpus", True, f"{len(gpus)}: {gpu_text}"))
     rows.append(("hardware=auto picks", True, chosen))
@@ -175,6 +176,22 @@ def _hybrid_rows(
         + ("pip install -e '.[hybrid]'" if gpu else "on GPU nodes pip install -e '.[hybrid]'")
     )
     return [("hybrid layers", True, f"warning: {detail}" if gpu else detail)]
+
+
+def _host_cache_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """The hierarchical cache's pinned host pool each SGLang engine of this node would get
+    (`draftline.generation.host_cache`): a figure, never a failure."""
+    profile_cfg = (run_params or {}).get("hardware") or {}
+    try:
+        profile = hardware.resolve_profile(profile_cfg)
+    except (SystemExit, Exception):  # an unresolvable profile is the params row's to report
+        return []
+    sg = profile.get("sglang") or {}
+    if not sg:
+        return []
+    from draftline.generation import host_cache
+
+    return [(f"host cache ({profile.get('name')})", True, host_cache.describe(sg))]
 
 
 def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] | None]:

@@ -63,11 +63,18 @@ def special_ids(tokenizer: Any, end_of_turn_token: str) -> SpecialIds:
 
 def cut_at_end_of_turn(ids: Sequence[int], end_of_turn: int) -> tuple[list[int], bool]:
     """`ids` up to and including the first end-of-turn token, and whether one was found."""
+    return cut_at_stop(ids, (end_of_turn,))
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """`ids` up to and including the first stop token (end of turn or the model's EOS), and
+    whether one was found: every engine's completion is stored this way."""
     out = [int(t) for t in ids]
-    try:
-        return out[: out.index(end_of_turn) + 1], True
-    except ValueError:
-        return out, False
+    stops = set(stop_ids)
+    for i, token in enumerate(out):
+        if token in stops:
+            return out[: i + 1], True
+    return out, False
 
 
 def loss_mask(

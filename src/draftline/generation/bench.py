@@ -4,7 +4,9 @@ speculation.
 
 Acceptance length is the server's own measure of tokens per verify step (target forward), the
 bonus token counted, as in `tau`. SGLang: `completion_tokens / spec_verify_ct` of each answer's
-`meta_info`, summed over the requests. vLLM (`/v1/completions`, which reports no per-request
+`meta_info`, summed over the requests; an answer that ended on its first token (written by the
+prefill, no verify step) has no `spec_verify_ct` (SGLang leaves it out when 0): its token counts
+for speed, not for acceptance. vLLM (`/v1/completions`, which reports no per-request
 statistics): its Prometheus counters at `/metrics`, read before and after the run,
 `1 + accepted tokens / drafts` (`vllm:spec_decode_num_accepted_tokens`,
 `vllm:spec_decode_num_drafts`), vLLM's "mean acceptance length". Speed is output tokens per
@@ -36,6 +38,8 @@ class ServerRun:
     wall_s: float
     # vLLM: drafted tokens accepted over the run (its counters); None for SGLang.
     accepted_tokens: int | None = None
+    # SGLang: completion tokens of the answers that had verify steps (None: all of them).
+    verified_tokens: int | None = None
 
     @property
     def acceptance_length(self) -> float | None:
@@ -43,7 +47,8 @@ class ServerRun:
             return None
         if self.accepted_tokens is not None:
             return 1 + self.accepted_tokens / self.verify_steps
-        return self.completion_tokens / self.verify_steps
+        verified = self.completion_tokens if self.verified_tokens is None else self.verified_tokens
+        return verified / self.verify_steps
 
     @property
     def output_tok_s(self) -> float:
@@ -102,9 +107,12 @@ async def _run(
         drafts = after["drafts"] - before["drafts"]
         accepted = after["accepted"] - before["accepted"]
         return ServerRun(len(metas), tokens, drafts or None, wall, accepted)
-    steps = [m.get("spec_verify_ct") for m in metas]
-    verify = sum(int(s) for s in steps) if all(s is not None for s in steps) else None
-    return ServerRun(len(metas), tokens, verify, wall)
+    verified = [m for m in metas if m.get("spec_verify_ct")]
+    if not verified:  # no answer had a verify step: the server does not speculate
+        return ServerRun(len(metas), tokens, None, wall)
+    steps = sum(int(m["spec_verify_ct"]) for m in verified)
+    verified_tokens = sum(int(m.get("completion_tokens") or 0) for m in verified)
+    return ServerRun(len(metas), tokens, steps, wall, verified_tokens=verified_tokens)
 
 
 # vLLM's speculative-decoding counters (Prometheus text; `_total` suffix on counters).

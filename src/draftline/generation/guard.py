@@ -95,6 +95,14 @@ class Guard:
             if len(answered)
             else 0.0
         )
+        full = float((answered["finish_reason"] == "context").mean()) if len(answered) else 0
+        if "truncated_share" in names and full >= truncated:
+            return (
+                f"{full:.0%} of turns were cut by a full context: conversations outgrow "
+                "model.serving.context_length (each turn's prompt holds every earlier answer); "
+                "raise it toward the model's maximum, or regenerate only the last turn "
+                "(data.regenerate_turns=last)"
+            )
         if "truncated_share" in names or truncated > 0.5:
             return (
                 f"{truncated:.0%} of responses hit max_new_tokens={self.max_new_tokens}"

@@ -85,6 +85,8 @@ class Journal:
                 "finish_reason": r.finish_reason,
                 "error": r.error,
                 "wall_s": wall_s,
+                # A turn capped by the context length: its cap, with it.
+                **({"max_new_tokens": r.max_new_tokens} if r.max_new_tokens is not None else {}),
             }
             for r in results
         )
@@ -137,5 +139,6 @@ class Journal:
                 completion_ids=list(obj["completion_ids"]),
                 finish_reason=obj["finish_reason"],
                 error=obj.get("error"),
+                max_new_tokens=obj.get("max_new_tokens"),
             )
         return records, good, header

@@ -22,6 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,14 +157,24 @@ def launch(
     profile: str | None,
     timeout_s: float = 1800.0,
     root: Path = Path("."),
+    ready: Callable[[Path], str | None] | None = None,
 ) -> ServerState:
-    """Start one server and wait until `/health` answers; return its recorded state.
+    """Start one server and wait until it is ready; return its recorded state.
 
-    A healthy server launched earlier on the port is returned as it is. When the server exits
-    or is not healthy within `timeout_s`, it is stopped and the error shows the last lines of
-    its log.
+    Ready: `/health` answers, and `ready(log)` (given the server's log) says nothing is
+    missing (it returns what is, e.g. the engines a router still waits for, else None). A
+    ready server launched earlier on the port is returned as it is. When the server exits or
+    is not ready within `timeout_s`, it is stopped and the error shows the last lines of its
+    log.
     """
     name = display(kind)
+    log = root / LOG_DIR / f"{kind}-{port}.log"
+
+    def missing(at: str) -> str | None:
+        if not healthy(at, timeout_s=2.0):
+            return "/health does not answer"
+        return ready(log) if ready else None
+
     for state in read_states(root):
         if state.port == port and alive(state):
             if state.kind != kind:
@@ -171,18 +182,18 @@ def launch(
                     f"a {display(state.kind)} server started earlier holds port {port} (pid "
                     f"{state.pid}): `draftline serve stop --port {port}`, or use another --port"
                 )
-            if healthy(state.url):
+            if missing(state.url) is None:
                 return state
             raise ServeError(
-                f"a server started earlier on port {port} (pid {state.pid}) is not healthy: "
-                f"`draftline serve stop --port {port}`, see {state.log}"
+                f"a server started earlier on port {port} (pid {state.pid}) is not ready "
+                f"({missing(state.url)}): wait for it, or `draftline serve stop --port {port}`; "
+                f"see {state.log}"
             )
     if healthy(url):
         raise ServeError(
             f"something draftline did not start already answers at {url}: use it through "
             "generate.endpoints or the engine's endpoints variable, or start on another --port"
         )
-    log = root / LOG_DIR / f"{kind}-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
@@ -212,6 +223,7 @@ def launch(
     )
     atomic.write_json(state_path(port, root, kind), state.__dict__)
     code: int | None = None
+    why_not: str | None = "/health does not answer"
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -219,7 +231,8 @@ def launch(
             code = proc.poll()
             if code is not None:
                 break
-            if healthy(url, timeout_s=2.0):
+            why_not = missing(url)
+            if why_not is None:
                 return state
             time.sleep(0.25)
     except BaseException:  # interrupted while waiting: leave no half-started server behind
@@ -228,7 +241,11 @@ def launch(
         raise
     _terminate(state, proc)
     state_path(port, root, kind).unlink(missing_ok=True)
-    why = f"exited with code {code}" if code is not None else f"not healthy after {timeout_s:g}s"
+    why = (
+        f"exited with code {code}"
+        if code is not None
+        else f"not ready after {timeout_s:g}s: {why_not}"
+    )
     raise ServeError(
         f"{name} server on port {port} {why} (stopped). Command: {shlex.join(command)}\n"
         f"Last lines of {log}:\n{log_tail(log)}"

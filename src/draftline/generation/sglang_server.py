@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from draftline.generation import host_cache, timeouts
 from draftline.generation.server_process import (  # noqa: F401  (the lifecycle, re-exported)
     LOG_DIR,
     STATE_DIR,
@@ -144,8 +147,9 @@ def server_command(
         cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
     if sg.get("mem_fraction_static"):
         cmd += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
-    if sg.get("context_length"):
-        cmd += ["--context-length", str(int(sg["context_length"]))]
+    context = context_length(profile, model)
+    if context:
+        cmd += ["--context-length", str(context)]
     if sg.get("max_running_requests"):
         cmd += ["--max-running-requests", str(int(sg["max_running_requests"]))]
     spec = serving.get("speculative") or {}
@@ -164,6 +168,18 @@ def server_command(
         cmd += ["--mamba-scheduler-strategy", str(serving["mamba_scheduler_strategy"])]
     if sg.get("hierarchical_cache"):
         cmd += ["--enable-hierarchical-cache"]
+        host_gb = host_cache.host_cache_gb(sg)
+        if host_gb:
+            cmd += ["--hicache-size", str(host_gb)]
+    if serving.get("deterministic_inference"):
+        cmd += ["--enable-deterministic-inference"]
+    if dp > 1:
+        # The router waits longer than the client does for the same answer, and leaves the
+        # retrying to the client (which retries on another endpoint and journals): retries of
+        # both would multiply, and a retried answer starts from scratch.
+        max_new = int(model.get("max_new_tokens") or 0)
+        cmd += ["--router-request-timeout-secs", str(timeouts.router_timeout_s(profile, max_new))]
+        cmd += ["--router-disable-retries"]
     if serving.get("reasoning_parser"):
         cmd += ["--reasoning-parser", str(serving["reasoning_parser"])]
     # We send and receive token ids only: the server needs no tokenizer of its own.
@@ -171,6 +187,21 @@ def server_command(
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def context_length(profile: dict[str, Any], model: dict[str, Any]) -> int | None:
+    """The context length served: the model's (`serving.context_length`, which every engine
+    caps each turn to), else the profile's own `sglang.context_length`, else the model's."""
+    served = (model.get("serving") or {}).get("context_length")
+    node = sglang_settings(profile).get("context_length")
+    if served and node and int(node) != int(served):
+        raise ServeError(
+            f"hardware.sglang.context_length={node} differs from the served "
+            f"model.serving.context_length={served}, which the clients cap every turn to: "
+            "drop the profile's"
+        )
+    value = served or node
+    return int(value) if value else None
 
 
 def with_speculation(
@@ -218,6 +249,56 @@ def state_path(port: int, root: Path = Path(".")) -> Path:
     return _state_path(port, root, "sglang")
 
 
+# sglang_router 0.3.2 (`launch_server.py`) starts the DP engines, logging one line each to the
+# server's log ("Launching DP server process <i> on port <port>"), and answers `/health` as soon
+# as the router itself runs, before any engine has loaded (`/health` is its liveness probe).
+ENGINE_LAUNCHED = re.compile(r"Launching DP server process (\d+) on port (\d+)")
+
+
+def engine_urls(log: str | Path, host: str) -> list[str]:
+    """The URLs of the DP engines the router's last launch logged to `log`, in rank order."""
+    try:
+        text = Path(log).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    last = text.rsplit("\n=== ", 1)[-1]  # `launch` heads each start with `=== <time> <cmd>`
+    ports = {int(rank): int(port) for rank, port in ENGINE_LAUNCHED.findall(last)}
+    return [reach_url(host, ports[rank]) for rank in sorted(ports)]
+
+
+def engines_missing(profile: dict[str, Any], host: str | None = None) -> Any:
+    """`launch`'s readiness check for this profile: with a router in front of DP engines, what
+    is missing until every engine it launched answers its own `/health` (None once all do)."""
+    dp = int(sglang_settings(profile).get("dp_size") or 1)
+    if dp <= 1:
+        return None
+    bound = bind_host(profile, host)
+
+    def missing(log: Path) -> str | None:
+        engines = engine_urls(log, bound)
+        up = sum(healthy(url, timeout_s=2.0) for url in engines)
+        if len(engines) == dp and up == dp:
+            return None
+        return f"{up} of {dp} engines healthy behind the router"
+
+    return missing
+
+
+def wait_for_engines(profile: dict[str, Any], timeout_s: float, root: Path = Path(".")) -> None:
+    """Before a stage talks to the router `serve start` launched on this node: wait until
+    every engine behind it answers (the router's `/health` alone says nothing about them)."""
+    missing = engines_missing(profile)
+    port = bind_port(profile)
+    state = next((s for s in read_states(root) if s.port == port and s.kind == "sglang"), None)
+    if missing is None or state is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while (why := missing(root / state.log)) is not None:
+        if time.monotonic() > deadline:
+            raise ServeError(f"the router at {state.url} is up but not ready: {why}")
+        time.sleep(1.0)
+
+
 def start(
     profile: dict[str, Any],
     model: dict[str, Any],
@@ -228,8 +309,9 @@ def start(
     root: Path = Path("."),
     env: dict[str, str] | None = None,
 ) -> ServerState:
-    """Start one SGLang server and wait until `/health` answers (`server_process.launch`);
-    a Python without SGLang fails first, naming the fix (not in the server's log)."""
+    """Start one SGLang server and wait until it and, behind a router, every DP engine answers
+    `/health` (`server_process.launch`); a Python without SGLang fails first, naming the fix
+    (not in the server's log)."""
     if message := missing_engine(profile):
         raise ServeError(message)
     return launch(
@@ -241,4 +323,5 @@ def start(
         profile=profile.get("name"),
         timeout_s=timeout_s,
         root=root,
+        ready=engines_missing(profile, host),
     )

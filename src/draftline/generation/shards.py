@@ -189,6 +189,8 @@ class _Turns:
             self.shard.failed[self.conversation.id] = asked
             self._lost(self, split_key(asked.id)[1] - 1)  # type: ignore[index]
             return None
+        if asked is None:  # no room left in the context: closed after its last turn
+            self._lost(self, len(self.conversation.results) - 1)
         return asked
 
 
@@ -215,6 +217,7 @@ def _open_shard(
                 messages := messages_from_records(r["messages"]),
                 regenerated_turns(messages, identity.regenerate_turns),
                 identity.kwargs_for(r["id"]),
+                sampling=identity.sampling,
             )
             for r in read_curated(paths.curated)
         }
@@ -318,6 +321,7 @@ def run_shard(
         def on_result(work: _Turns, result: Result) -> None:
             shard, conversation = work.shard, work.conversation
             assert conversation is not None
+            result = conversation.take(result)
             shard.journal.append([result], wall_s=shard_wall(shard))
             conversation_id, k = split_key(result.id) or (result.id, 0)
             if result.finish_reason == "error":
@@ -479,7 +483,7 @@ def shard_metrics(
         "output_tok_s": round(generated_tokens / run_wall, 2) if generated and run_wall else None,
         "errors": reasons.get("error", 0),
         "error_share": round(reasons.get("error", 0) / n, 6) if n else 0.0,
-        "finish_reasons": {k: reasons.get(k, 0) for k in ("stop", "length", "error")},
+        "finish_reasons": {k: reasons.get(k, 0) for k in ("stop", "length", "context", "error")},
         "mean_output_tokens": round(output_tokens / n, 2) if n else 0.0,
         "think_block_share": (
             round(sum(r["has_think_block"] for r in answered) / len(answered), 4)

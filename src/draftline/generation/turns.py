@@ -4,7 +4,13 @@ A conversation's assistant turns (`draftline.core.turn_prompts.regenerated_turns
 in order: turn k's prompt holds the target's answers to turns 0..k-1, so turn k is requested only
 once turn k-1 is back. Each turn's result is journaled under `<id>#<k>`; after a kill the
 conversation resumes at its first turn without a result. A turn that does not end its turn
-(`length`) or fails (`error`) ends the conversation: the next turn would build on a cut answer.
+(`length`, `context`) or fails (`error`) ends the conversation: the next turn would build on a
+cut answer.
+
+No turn is refused for length: with a context length (`Sampling.context_length`) each turn asks
+for at most what its prompt leaves of it (`Request.max_new_tokens`); a turn cut at that cap ends
+`context`, and a conversation whose next prompt leaves no room at all is closed there: its row
+is its last turn with `finish_reason: context` (validate counts it as cut short).
 
 The row is one training sequence: the prompt of the last turn generated (every earlier answer
 in it, as the template shows history) and that turn's completion; `history_spans` says where in
@@ -18,10 +24,13 @@ from typing import Any
 
 from draftline.core.loss_mask import SpecialIds, completion_stats, prompt_opens_think
 from draftline.core.turn_prompts import TurnPrompt, TurnPromptError, turn_prompt
-from draftline.generation.engines.base import Request, Result
+from draftline.generation.engines.base import Request, Result, Sampling
 from draftline.quality.checks import completion_hash
 
 TURN_SEPARATOR = "#"
+# A conversation ended because the context length was full (a turn cut at its cap, or no room
+# left for the next turn).
+CONTEXT_FULL = "context"
 
 
 def turn_key(conversation_id: str, turn: int) -> str:
@@ -42,15 +51,30 @@ class Conversation:
     template_kwargs: dict[str, Any]
     results: list[Result] = field(default_factory=list)  # one per finished turn, in order
     prompts: list[TurnPrompt] = field(default_factory=list)  # the prompt of each requested turn
+    # The turns' limits (max_new_tokens, context length); the default caps nothing.
+    sampling: Sampling | None = None
+    # Closed before its last turn because the next prompt left no room in the context.
+    closed: bool = False
 
     @property
     def thinking(self) -> bool:
         return bool(self.template_kwargs.get("enable_thinking", False))
 
     def done(self) -> bool:
-        if self.results and self.results[-1].finish_reason != "stop":
+        if self.closed or (self.results and self.results[-1].finish_reason != "stop"):
             return True
         return len(self.results) == len(self.turns)
+
+    def take(self, result: Result) -> Result:
+        """The result as recorded: with the turn's cap when the context left less than
+        `max_new_tokens`, and a turn that used all of it ends `context`, not `length`."""
+        if self.sampling is None or result.finish_reason == "error":
+            return result
+        cap = self.sampling.turn_cap(len(self.prompts[len(self.results)].ids))
+        if cap >= self.sampling.max_new_tokens:
+            return result
+        reason = CONTEXT_FULL if result.finish_reason == "length" else result.finish_reason
+        return Result(result.id, result.completion_ids, reason, result.error, cap)
 
     def remaining_turns(self) -> int:
         return 0 if self.done() else len(self.turns) - len(self.results)
@@ -76,13 +100,26 @@ class Conversation:
             )
         return self.prompts[turn]
 
-    def next_request(self, tokenizer: Any, special: SpecialIds) -> Request | Result:
-        """The next turn's request, or an error result when its prompt cannot be built."""
+    def next_request(self, tokenizer: Any, special: SpecialIds) -> Request | Result | None:
+        """The next turn's request, capped to what its prompt leaves of the context; an error
+        result when its prompt cannot be built; None when it leaves no room (the conversation
+        is closed: `closed`)."""
         k = len(self.results)
         try:
-            return Request(turn_key(self.id, k), self.prompt(tokenizer, special, k).ids)
+            ids = self.prompt(tokenizer, special, k).ids
         except TurnPromptError as error:
             return Result(turn_key(self.id, k), [], "error", f"turn {k}: {error}")
+        if self.sampling is None:
+            return Request(turn_key(self.id, k), ids)
+        cap = self.sampling.turn_cap(len(ids))
+        if cap < 1 and not k:  # nothing to close on: the first prompt alone is too long
+            message = f"prompt of {len(ids)} tokens fills context_length"
+            return Result(turn_key(self.id, k), [], "error", f"turn 0: {message}")
+        if cap < 1:
+            self.closed = True
+            return None
+        capped = cap < self.sampling.max_new_tokens
+        return Request(turn_key(self.id, k), ids, max_new_tokens=cap if capped else None)
 
 
 def turn_row(
@@ -128,6 +165,8 @@ def conversation_row(
     if failed:
         turns.append(turn_row(prompt.ids, failed, special, conversation.thinking))
     row = turn_row(prompt.ids, result, special, conversation.thinking)
+    if conversation.closed and not failed:  # its next turn had no room: cut short, counted
+        row["finish_reason"] = CONTEXT_FULL
     row.update(
         {
             "id": conversation.id,

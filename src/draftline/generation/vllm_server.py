@@ -90,8 +90,11 @@ def server_command(
         cmd += ["--revision", str(model["revision"])]
     cmd += ["--host", bind_host(profile, host), "--port", str(bind_port(profile, port))]
     cmd += ["--dtype", str(settings.get("dtype") or "auto")]
-    if settings.get("max_model_len"):
-        cmd += ["--max-model-len", str(int(settings["max_model_len"]))]
+    # The served context length (`model.serving.context_length`, which the client caps every
+    # turn to) wins over the profile's.
+    max_len = (model.get("serving") or {}).get("context_length") or settings.get("max_model_len")
+    if max_len:
+        cmd += ["--max-model-len", str(int(max_len))]
     if settings.get("max_num_seqs"):
         cmd += ["--max-num-seqs", str(int(settings["max_num_seqs"]))]
     if settings.get("tp_size") and int(settings["tp_size"]) > 1:

@@ -312,3 +312,39 @@ def profile_throughput(
                 tok_s, f"{metrics_path(metrics, stage)} tokens_per_s (on {name})", kind="measured"
             )
     return out
+
+
+def served_precision(model: dict[str, Any]) -> dict[str, str]:
+    """The weight precision `draftline serve start` launches the target in: the model's
+    `serving.quantization` (one source of truth for the servers and the plan)."""
+    quantization = (model.get("serving") or {}).get("quantization")
+    if quantization:
+        return {"value": str(quantization), "source": "model.serving.quantization"}
+    return {"value": "bf16", "source": "model.serving.quantization null: the checkpoint's bf16"}
+
+
+def figure_precision(profile: dict[str, Any], served: str, kind: str) -> dict[str, Any]:
+    """The weight precision a profile's generation figure is for (`throughput.
+    generate_precision`), and whether it is the served one; a figure measured on a run of this
+    target is taken as the run served it."""
+    if kind == "measured":
+        return {"value": served, "matches": True, "source": "measured on a run of this target"}
+    value = (profile.get("throughput") or {}).get("generate_precision")
+    return {
+        "value": value,
+        "matches": value == served if value else None,
+        "source": "throughput.generate_precision" if value else "not stated by the profile",
+    }
+
+
+def precision_text(plan: dict[str, Any], profiles: list[dict[str, Any]]) -> str:
+    """The weight precision a plan's generation time assumes (what `serve start` launches) and
+    the one each profile's figure is for."""
+    served = plan["model"]["served_precision"]
+    said = {True: "as served", False: "not as served", None: "unstated"}
+    figures = [(p["name"], p.get("generate_precision") or {}) for p in profiles]
+    parts = ", ".join(f"{n} {g.get('value') or '?'} ({said[g.get('matches')]})" for n, g in figures)
+    return (
+        f"generation time assumes {served['value']} weights, as `draftline serve start` "
+        f"launches them ({served['source']}); the figures are for: {parts}"
+    )

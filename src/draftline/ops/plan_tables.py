@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import planning
+from draftline.ops import plan_figures, planning
 
 
 def duration(seconds: float | None) -> str:
@@ -105,6 +105,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             "(measured on a run there, or throughput.* in conf/hardware/)[/]"
         )
     console.print(generation_line(plan))
+    console.print(f"[bold]Serving precision[/]: {plan_figures.precision_text(plan, profiles)}")
 
     console.print(_throughput_grid(profiles))
     _print_memory(console, plan)

@@ -20,9 +20,11 @@ from draftline.ops.plan_figures import (
     TB,
     Figure,
     Inputs,
+    figure_precision,
     metrics_path,
     profile_throughput,
     resolve_inputs,
+    served_precision,
     usable,
 )
 from draftline.ops.plan_figures import (
@@ -236,9 +238,11 @@ def plan_profile(
             "cost_usd": None if seconds is None else seconds / 3600 * price,
             "missing": [p for p, s in zip(parts, secs, strict=True) if s is None],
         }
+    served = served_precision(params["model"])["value"]
     return {
         "name": name,
         "price_per_hour": price,
+        "generate_precision": figure_precision(profile, served, rates["generate"].kind),
         "throughput": {
             "generate_tok_s": _figure(rates["generate"]),
             "extract_tok_s": _figure(rates["extract"]),
@@ -295,6 +299,7 @@ def build_plan(
         "model": {
             "name": model.get("name"),
             "ref": model_ref(model),
+            "served_precision": served_precision(model),
             "num_parameters": model.get("num_parameters"),
             "target_layers": len(model["target_layer_ids"]),
             "hidden_size": model["hidden_size"],

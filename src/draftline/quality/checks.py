@@ -98,6 +98,10 @@ def completion_hash(completion_ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+# Finish reasons of a sample cut short: at max_new_tokens, or by a full context length.
+TRUNCATED = ("length", "context")
+
+
 def thinking_enabled(params: Mapping[str, Any]) -> bool:
     """Whether the target's chat template has thinking on (`model.chat_template_kwargs`)."""
     kwargs = (params.get("model") or {}).get("chat_template_kwargs") or {}
@@ -253,15 +257,17 @@ def define_checks(
     checks.append(
         Check(
             name="truncated_share",
-            description="answered samples cut off at max_new_tokens (finish_reason=length)",
+            description="answered samples cut off at max_new_tokens (finish_reason=length) or "
+            "by a full context (finish_reason=context: a turn cut at what its prompt left of "
+            "the context length, or no room left for the next turn)",
             bound=f"<= {max_truncated:.2f} of answered samples",
             rows="answered",
-            measure=lambda t: share_of(t["finish_reason"] == "length"),
+            measure=lambda t: share_of(t["finish_reason"].isin(TRUNCATED)),
             accept=lambda v: v <= max_truncated,
             expectation="ExpectColumnValuesToNotBeInSet",
             kwargs={
                 "column": "finish_reason",
-                "value_set": ["length"],
+                "value_set": list(TRUNCATED),
                 "mostly": 1 - max_truncated,
             },
             gx_observed=_gx_unexpected_share,

@@ -65,7 +65,11 @@ def frames(answered: pd.DataFrame, thinking: bool) -> dict[str, pd.DataFrame]:
     also split by thinking mode as the answered rows are."""
     multi = multi_turn_rows(answered)
     mode = row_modes(multi, thinking)
-    stopped = [all(reason == "stop" for reason in reasons) for reasons in multi[TURN_COLUMNS[1]]]
+    # A conversation closed for a full context has every written turn `stop` but not all turns.
+    stopped = [
+        last != "context" and all(reason == "stop" for reason in reasons)
+        for last, reasons in zip(multi["finish_reason"], multi[TURN_COLUMNS[1]], strict=True)
+    ]
     conversations = pd.DataFrame(
         {
             "id": multi["id"].to_numpy(),
@@ -143,7 +147,8 @@ def define_checks(
         Check(
             name="conversation_complete",
             description="answered multi-turn conversations whose every turn ended with stop "
-            "(all_turns_stopped; a turn cut at max_new_tokens ends the conversation early)",
+            "(all_turns_stopped; a turn cut at max_new_tokens or a full context ends the "
+            "conversation early)",
             bound=f">= {min_complete:.2f} of multi-turn conversations",
             rows="conversations",
             measure=lambda t: share_of(t["all_turns_stopped"]),

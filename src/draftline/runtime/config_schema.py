@@ -58,6 +58,8 @@ SCHEMA: Schema = {
         "serving": {
             "quantization": None,
             "kv_cache_dtype": None,
+            "context_length": None,
+            "deterministic_inference": None,
             "speculative": OPEN,
             "mamba_scheduler_strategy": None,
             "reasoning_parser": None,
@@ -129,6 +131,8 @@ SCHEMA: Schema = {
             "max_running_requests": None,
             "max_in_flight": None,
             "hierarchical_cache": None,
+            "host_cache_gb_per_engine": None,
+            "host_cache_share_of_ram": None,
             "host": None,
             "port": None,
             "extra_args": None,
@@ -151,6 +155,7 @@ SCHEMA: Schema = {
         "throughput": {
             "generate_tok_s": None,
             "generate_tok_s_range": None,
+            "generate_precision": None,
             "source": None,
             "model": None,
             "reference_parameters": None,

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"generate: shard {args.shard} is not in data.shard_ids")
     check_curated(paths, p)
     check_space(paths, p, int(profile.get("work_ahead_shards") or 0))
-    sampling = sampling_from(gen)
+    sampling = sampling_from(gen, model)
     tokenizer = target.load_tokenizer(model)
     special = special_ids(tokenizer, str(model.get("end_of_turn_token", "<|im_end|>")))
     thinking = thinking_enabled(p)

@@ -12,9 +12,16 @@ request submitted at once, each result handed on as it finishes).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+# Tokens of the context no turn asks for: SGLang 0.5.23 counts the draft-token slots of EAGLE
+# speculation (MTP: max(topk x steps, draft tokens), 4 for the Qwen3.6 profile) as input when
+# it checks `input + max_new_tokens <= context_length`. The same margin on every engine keeps
+# the cap, and so the tokens, independent of the engine and its speculative settings.
+CONTEXT_RESERVE = 64
 
 
 @dataclass(frozen=True)
@@ -26,15 +33,42 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
+    # The context length every engine serves (`model.serving.context_length`): each turn's
+    # `max_new_tokens` is capped to what its prompt leaves of it, so no engine refuses a turn
+    # for length and all engines stop at the same token. None: no cap (the embedded targets).
+    context_length: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        values: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
         }
+        if self.context_length is not None:  # absent when unset: older records stay equal
+            values["context_length"] = self.context_length
+        return values
+
+    def turn_cap(self, prompt_tokens: int) -> int:
+        """The most new tokens a turn with this prompt may ask for: `max_new_tokens`, or what
+        the prompt leaves of the context when that is less (0 or below: no room at all)."""
+        if self.context_length is None:
+            return self.max_new_tokens
+        room = self.context_length - CONTEXT_RESERVE - prompt_tokens
+        return min(self.max_new_tokens, room)
+
+    def request_seed(self, request_id: str) -> int:
+        """The seed of one request: from the run's seed and the request id (sample and turn),
+        so a retried or resumed turn sends the same seed (31 bits: every engine takes it)."""
+        return (self.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**31
+
+
+def stop_ids(end_of_turn: int, eos: int | None) -> list[int]:
+    """The tokens that end a turn on every engine: the end-of-turn token and the model's EOS
+    (`model.eos_token_id`; SGLang stops on the model's EOS whatever it is asked, and its
+    `ignore_eos` would switch off the end-of-turn stop as well)."""
+    return [end_of_turn] + ([int(eos)] if eos is not None and int(eos) != end_of_turn else [])
 
 
 @dataclass(frozen=True)
@@ -44,16 +78,23 @@ class Request:
     # Higher first where the engine orders its queue (the SGLang client, and SGLang itself when
     # it schedules by priority); the scheduler passes the conversation's remaining turns.
     priority: int = 0
+    # This turn's cap when the context leaves less than `Sampling.max_new_tokens`
+    # (`Sampling.turn_cap`); None: the sampling's own.
+    max_new_tokens: int | None = None
 
 
 @dataclass
 class Result:
-    """One finished sample. `completion_ids` ends with the end-of-turn token when `stop`."""
+    """One finished sample. `completion_ids` ends with the stop token when `stop` (the
+    end-of-turn token, or the model's EOS: `stop_ids`); `context` when a turn capped by the
+    context length (`Request.max_new_tokens`) used all of it, or none was left."""
 
     id: str
     completion_ids: list[int] = field(default_factory=list)
     finish_reason: str = "error"
     error: str | None = None
+    # The turn's cap when the context left less than max_new_tokens (journaled with the turn).
+    max_new_tokens: int | None = None
 
 
 OnResult = Callable[[Result], None]

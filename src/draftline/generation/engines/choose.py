@@ -14,13 +14,17 @@ from typing import Any
 from draftline.generation.engines.base import Engine, Sampling
 
 
-def sampling_from(gen: dict[str, Any]) -> Sampling:
+def sampling_from(gen: dict[str, Any], model: dict[str, Any] | None = None) -> Sampling:
+    """The run's sampling; the context length is the served one (`model.serving.context_length`),
+    which every engine then caps each turn to."""
+    context = ((model or {}).get("serving") or {}).get("context_length")
     return Sampling(
         max_new_tokens=int(gen["max_new_tokens"]),
         temperature=float(gen.get("temperature", 0.0)),
         top_p=float(gen.get("top_p", 1.0)),
         top_k=int(gen.get("top_k", -1)),
         seed=int(gen.get("seed", 0)),
+        context_length=int(context) if context else None,
     )
 
 
@@ -59,7 +63,7 @@ def make_server_engine(
     kind: str, p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
 ) -> Engine:
     """A client of the `kind` servers (sglang or vllm) this profile names, started on demand."""
-    from draftline.generation import sglang_server, vllm_server
+    from draftline.generation import sglang_server, timeouts, vllm_server
     from draftline.generation.engines import sglang, vllm
     from draftline.generation.server_process import ServeError, display
 
@@ -89,10 +93,19 @@ def make_server_engine(
                 f"one with `draftline serve start` (hardware={profile.get('name')}), or set "
                 f"generate.autostart=true, or point ${client.ENDPOINTS_ENV} at running servers"
             )
+    elif kind == "sglang" and endpoints == [server.server_url(profile)]:
+        try:  # a router of this node answers /health before its engines have loaded
+            sglang_server.wait_for_engines(profile, float(gen.get("serve_timeout_s", 1800)))
+        except ServeError as exc:
+            raise SystemExit(f"generate: {exc}") from exc
     client_settings = sglang.ClientSettings(
         endpoints=tuple(endpoints),
         max_in_flight=int(settings.get("max_in_flight") or 256),
-        request_timeout_s=float(gen.get("request_timeout_s", 3600)),
+        # From max_new_tokens and one request's decode rate at the profile's in-flight count
+        # (`generation.timeouts`), unless generate.request_timeout_s is set.
+        request_timeout_s=timeouts.client_timeout_s(
+            profile, sampling.max_new_tokens, gen.get("request_timeout_s")
+        ),
         max_retries=int(gen.get("max_retries", 5)),
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
         backoff_max_s=float(gen.get("backoff_max_s", 30)),
@@ -102,4 +115,4 @@ def make_server_engine(
     )
     engine = sglang.SGLangEngine if kind == "sglang" else vllm.VLLMEngine
     serving = sglang_server.serving_identity(p["model"])
-    return engine(client_settings, sampling, end_of_turn, serving)
+    return engine(client_settings, sampling, end_of_turn, serving, p["model"].get("eos_token_id"))

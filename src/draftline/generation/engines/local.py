@@ -4,7 +4,9 @@ Submitted prompts wait in a queue; each `results` call runs one batch, the `batc
 shortest queued prompts (by length, then id, so left padding stays small), and returns its
 results. `max_in_flight` is the batch size: the scheduler keeps one batch's worth submitted, so
 a conversation's next turn rides in the next batch. Generation stops at the end-of-turn token
-only, so the completion is what the model wrote up to its own end of turn.
+or the model's EOS (`stop_ids`, the rule of every engine), stored with the stop token; a turn
+capped by the context length (`Request.max_new_tokens`) is cut at its own cap, so it holds the
+same tokens as a server engine that stopped there.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from draftline.core.continuation import continue_batch
-from draftline.core.loss_mask import cut_at_end_of_turn
-from draftline.generation.engines.base import OnResult, Request, Result, Sampling, generate_all
+from draftline.core.loss_mask import cut_at_stop
+from draftline.generation.engines.base import (
+    OnResult,
+    Request,
+    Result,
+    Sampling,
+    generate_all,
+    stop_ids,
+)
 from draftline.runtime.hardware import Execution
 
 
@@ -29,10 +38,12 @@ class LocalEngine:
         end_of_turn: int,
         pad_token_id: int | None = None,
         batch_size: int = 16,
+        eos: int | None = None,
     ) -> None:
         self.model = model
         self.sampling = sampling
         self.end_of_turn = end_of_turn
+        self.stop_ids = stop_ids(end_of_turn, eos)
         self.pad_token_id = end_of_turn if pad_token_id is None else pad_token_id
         self.batch_size = max(1, int(batch_size))
         self.calls = 0  # batches run, for tests and metrics
@@ -64,7 +75,14 @@ class LocalEngine:
                 "use hardware=cpu (or hardware=auto)"
             )
         lm = load_model(model_cfg, device=device, dtype=execution.precision)
-        return cls(lm, sampling, end_of_turn, tokenizer.pad_token_id, execution.local_batch_size)
+        return cls(
+            lm,
+            sampling,
+            end_of_turn,
+            tokenizer.pad_token_id,
+            execution.local_batch_size,
+            eos=model_cfg.get("eos_token_id"),
+        )
 
     def identity(self) -> str:
         import transformers
@@ -101,20 +119,16 @@ class LocalEngine:
             # Seeded by the batch's first id so a resumed shard samples the same way.
             torch.manual_seed(s.seed ^ zlib.crc32(batch[0].id.encode()))
         prompts = [r.prompt_ids for r in batch]
+        caps = [s.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in batch]
         try:
             new_tokens = continue_batch(
-                self.model,
-                prompts,
-                s.max_new_tokens,
-                [self.end_of_turn],
-                self.pad_token_id,
-                sampling,
+                self.model, prompts, max(caps), self.stop_ids, self.pad_token_id, sampling
             )
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory: record, never drop
             return [Result(id=r.id, error=f"local generate failed: {exc}") for r in batch]
         results = []
-        for request, ids in zip(batch, new_tokens, strict=True):
-            completion, stopped = cut_at_end_of_turn(ids, self.end_of_turn)
+        for request, ids, cap in zip(batch, new_tokens, caps, strict=True):
+            completion, stopped = cut_at_stop(ids[:cap], self.stop_ids)
             results.append(
                 Result(
                     id=request.id,

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from draftline.core.loss_mask import cut_at_end_of_turn
+from draftline.core.loss_mask import cut_at_stop
 from draftline.generation.engines.base import (
     EngineUnavailable,
     OnResult,
@@ -40,6 +40,7 @@ from draftline.generation.engines.base import (
     Result,
     Sampling,
     generate_all,
+    stop_ids,
 )
 
 ENDPOINTS_ENV = "DRAFTLINE_SGLANG_ENDPOINTS"
@@ -75,32 +76,38 @@ def resolve_endpoints(
     return [u if "://" in u else f"http://{u}" for u in urls]
 
 
-def sampling_params(sampling: Sampling, end_of_turn: int) -> dict[str, Any]:
-    """SGLang `sampling_params` for our sampling: stop at the end-of-turn token only."""
+def sampling_params(sampling: Sampling, end_of_turn: int, eos: int | None = None) -> dict[str, Any]:
+    """SGLang `sampling_params` for our sampling: stop at the end-of-turn token or the model's
+    EOS (`stop_ids`: SGLang stops on the model's EOS anyway, and `ignore_eos` would switch off
+    `stop_token_ids` too), the stop token kept in `output_ids` (`no_stop_trim`)."""
     return {
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "stop_token_ids": [end_of_turn],
+        "stop_token_ids": stop_ids(end_of_turn, eos),
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
 
 
-def parse_response(sample_id: str, body: dict[str, Any], end_of_turn: int) -> Result:
-    """A Result from one `/generate` answer; ids are kept exactly as returned, cut after EOT."""
+def parse_response(
+    sample_id: str, body: dict[str, Any], end_of_turn: int, eos: int | None = None
+) -> Result:
+    """A Result from one `/generate` answer; ids kept exactly as returned, cut after the first
+    stop token (end of turn or EOS)."""
+    stops = stop_ids(end_of_turn, eos)
     meta = body.get("meta_info") or {}
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind == "abort" or "output_ids" not in body:
         message = reason.get("message") if isinstance(reason, dict) else None
         return Result(id=sample_id, error=f"server aborted the request: {message or body}")
-    ids, stopped = cut_at_end_of_turn(body["output_ids"], end_of_turn)
+    ids, stopped = cut_at_stop(body["output_ids"], stops)
     if not stopped and kind == "stop" and isinstance(reason, dict):
         # Versions that trim the matched stop token from output_ids still name it in `matched`.
-        if reason.get("matched") == end_of_turn:
-            ids, stopped = [*ids, end_of_turn], True
+        if reason.get("matched") in stops:
+            ids, stopped = [*ids, int(reason["matched"])], True
         else:
             return Result(id=sample_id, completion_ids=ids, finish_reason="stop")
     if stopped:
@@ -126,13 +133,20 @@ class SGLangEngine:
     route = "/generate"
 
     def __init__(
-        self, settings: ClientSettings, sampling: Sampling, end_of_turn: int, serving: str = ""
+        self,
+        settings: ClientSettings,
+        sampling: Sampling,
+        end_of_turn: int,
+        serving: str = "",
+        eos: int | None = None,
     ) -> None:
         if not settings.endpoints:
             raise ValueError(f"no {self.label} endpoint given")
         self.settings = settings
-        self.params = sampling_params(sampling, end_of_turn)
+        self.sampling = sampling
+        self.params = sampling_params(sampling, end_of_turn, eos)
         self.end_of_turn = end_of_turn
+        self.eos = eos
         self.in_flight = dict.fromkeys(settings.endpoints, 0)
         self.down_until = dict.fromkeys(settings.endpoints, 0.0)  # monotonic seconds
         self.requests_sent = 0
@@ -309,10 +323,19 @@ class SGLangEngine:
         return Result(id=request.id, error=f"failed after {s.max_retries + 1} attempts: {last}")
 
     def _payload(self, request: Request, attempt: int) -> bytes:
-        """The body of one request (one sample)."""
+        """The body of one request (one sample): the turn's own cap when the context leaves
+        less than `max_new_tokens`, and a seed of its own when sampling (the same on every
+        retry; SGLang uses it only with `--enable-deterministic-inference`)."""
+        params = self.params
+        if request.max_new_tokens is not None or self.sampling.temperature > 0:
+            params = {**params}
+            if request.max_new_tokens is not None:
+                params["max_new_tokens"] = request.max_new_tokens
+            if self.sampling.temperature > 0:
+                params["sampling_seed"] = self.sampling.request_seed(request.id)
         body: dict[str, Any] = {
             "input_ids": request.prompt_ids,
-            "sampling_params": self.params,
+            "sampling_params": params,
             "rid": f"{request.id}-{attempt}",
         }
         if self.settings.priorities:
@@ -321,7 +344,7 @@ class SGLangEngine:
 
     def _parse(self, sample_id: str, body: dict[str, Any]) -> Result:
         """The Result of one 200 answer (already a JSON object)."""
-        return parse_response(sample_id, body, self.end_of_turn)
+        return parse_response(sample_id, body, self.end_of_turn, self.eos)
 
     async def _post(
         self, session: aiohttp.ClientSession, endpoint: str, sample_id: str, payload: bytes

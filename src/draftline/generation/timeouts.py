@@ -1,0 +1,51 @@
+"""How long one generation request may take, from the profile's own figures.
+
+A request's answer takes up to `max_new_tokens` at the decode rate one request gets when the
+node runs `max_in_flight` of them: the profile's output tok/s (the low end of its range when it
+gives one) divided by `max_in_flight`. b200x8: 15,000 / 4,096 = 3.7 tok/s, so an 8,192-token
+thinking answer takes ~2,240 s; pro6000x4: 1,600 / 1,024 = 1.6 tok/s, ~5,240 s. The client's
+timeout is `SAFETY` times that; the router in front of DP engines gets `ROUTER_MARGIN_S` more,
+so the client, which retries on its own, always gives up first and no answer is cut by the
+router while the client still waits for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Prefill of long histories, queueing behind other turns and a slower-than-profiled node.
+SAFETY = 2.0
+# The client's timeout never goes below this (CPU profiles, tiny targets, unknown figures).
+FLOOR_S = 600.0
+DEFAULT_S = 3600.0  # a profile without a throughput figure or in-flight count
+ROUTER_MARGIN_S = 300
+
+
+def per_request_tok_s(profile: dict[str, Any]) -> float | None:
+    """Output tok/s of one request at the profile's in-flight count, or None when unknown."""
+    throughput = profile.get("throughput") or {}
+    server = profile.get("sglang") or profile.get("vllm") or {}
+    low = (throughput.get("generate_tok_s_range") or [None])[0]
+    tok_s = low or throughput.get("generate_tok_s")
+    in_flight = server.get("max_in_flight")
+    if not tok_s or not in_flight:
+        return None
+    return float(tok_s) / int(in_flight)
+
+
+def client_timeout_s(
+    profile: dict[str, Any], max_new_tokens: int, configured: float | None = None
+) -> float:
+    """The client's per-request timeout: `generate.request_timeout_s` when set, else derived."""
+    if configured:
+        return float(configured)
+    rate = per_request_tok_s(profile)
+    if rate is None:
+        return DEFAULT_S
+    return float(max(FLOOR_S, math.ceil(SAFETY * max_new_tokens / rate / 60) * 60))
+
+
+def router_timeout_s(profile: dict[str, Any], max_new_tokens: int) -> int:
+    """`--router-request-timeout-secs`: above the client's for the same answers."""
+    return int(client_timeout_s(profile, max_new_tokens)) + ROUTER_MARGIN_S
