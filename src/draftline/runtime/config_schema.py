@@ -57,8 +57,6 @@ SCHEMA: Schema = {
             "quantization": None,
             "kv_cache_dtype": None,
             "speculative": OPEN,
-            "mamba_scheduler_strategy": None,
-            "reasoning_parser": None,
             "env": OPEN,
         },
         "config": OPEN,
