@@ -119,3 +119,24 @@ def test_without_an_s3_remote_credentials_are_not_required(node: Path):
     (node / ".dvc" / "config.local").write_text("")
     ok, detail = rows()["remote credentials"]
     assert ok is True and detail.startswith("warning: no DVC remote chosen")
+
+
+def test_a_gpu_profile_without_its_engine_says_how_to_install_it(
+    node: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """No SGLang in this Python and no $DRAFTLINE_SGLANG_PYTHON: the `serve start` command line
+    cannot be checked, which is said with the fix, and does not fail (the `engines` tests run
+    the check itself against the pinned SGLang)."""
+    import importlib.util
+
+    monkeypatch.delenv("DRAFTLINE_SGLANG_PYTHON", raising=False)
+    assert importlib.util.find_spec("sglang") is None
+    compose("hardware=pro6000x4")
+    ok, detail = rows()["sglang command line"]
+    assert ok and detail.startswith("warning: not checked: sglang is not installed")
+    assert "pip install -e '.[sglang]'" in detail
+    assert "export DRAFTLINE_SGLANG_PYTHON=" in detail
+    monkeypatch.setenv("DRAFTLINE_SGLANG_PYTHON", str(node / "no-such-python"))
+    assert "names" in rows()["sglang command line"][1]
+    compose("hardware=cpu")  # the local engine: no server, no row
+    assert "sglang command line" not in rows()
