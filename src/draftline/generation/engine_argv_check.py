@@ -14,7 +14,8 @@ Each launcher's own entry code parses, and is stopped right after its parsing:
   strict parser, then both `from_cli_args`), stopped where it starts looking for free ports.
 - `vllm.entrypoints.cli.main`: its `main()` itself (the `vllm serve` parser, then
   `validate_parsed_serve_args`), stopped where the subcommand would start the server; then
-  `AsyncEngineArgs.from_cli_args` on the parsed namespace.
+  `AsyncEngineArgs.from_cli_args` on the parsed namespace (run without HF_HUB_OFFLINE: under
+  it vLLM resolves a hub id to its cached folder, and the target need not be here).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def _vllm(args: list[str]) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     def stop(parsed) -> None:
+        if getattr(parsed, "model_tag", None) is not None:  # the first step of the real `cmd`
+            parsed.model = parsed.model_tag
         AsyncEngineArgs.from_cli_args(parsed)
         raise Parsed
 
