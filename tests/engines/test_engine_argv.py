@@ -66,36 +66,53 @@ def commands(tmp_path_factory, exported_drafter) -> dict[str, list[str]]:
     return out
 
 
-def test_every_command_line_passes_the_engines_own_parsers(engine_python, commands):
-    names = list(commands)
-    results = run_in_engines(engine_python, CHECKER, [commands[n] for n in names])
+def single_engine(command: list[str]) -> list[str]:
+    """The same command with dp_size 1: `sglang.launch_server` itself (no profile here has
+    one engine, a node's own profile may)."""
+    single = [command[0], "-m", "sglang.launch_server", *command[3:]]
+    i = single.index("--dp-size")
+    return single[:i] + single[i + 2 :]
+
+
+REMOVED = ["--mamba-scheduler-strategy", "extra_buffer"]  # removed in SGLang 0.5.23
+
+
+@pytest.fixture(scope="module")
+def verdicts(engine_python, commands) -> dict[str, dict]:
+    """Every command line, and the ones the checks below add, through the engines' parsers
+    in one subprocess (its imports take most of the time)."""
+    extra = {
+        "single engine": single_engine(commands["qwen3_6_27b pro6000x4 own"]),
+        "router, removed flag": commands["qwen3_6_27b b200x8 own"] + REMOVED,
+        "single, removed flag": single_engine(commands["qwen3_6_27b b200x8 own"]) + REMOVED,
+        "vllm, unknown flag": commands["tiny vllm_cpu none"] + ["--no-such-flag"],
+    }
+    every = {**commands, **extra}
+    names = list(every)
+    results = run_in_engines(engine_python, CHECKER, [every[n] for n in names])
+    return {n: {**r, "command": every[n]} for n, r in zip(names, results, strict=True)}
+
+
+def test_every_command_line_passes_the_engines_own_parsers(commands, verdicts):
     failed = {
-        n: f"{r['module']}: {r['error']}\n  {shlex.join(commands[n])}"
-        for n, r in zip(names, results, strict=True)
-        if not r["ok"]
+        n: f"{verdicts[n]['module']}: {verdicts[n]['error']}\n  {shlex.join(commands[n])}"
+        for n in commands
+        if not verdicts[n]["ok"]
     }
     assert not failed, "\n".join(f"{n}: {why}" for n, why in failed.items())
-    modules = {r["module"] for r in results}
+    modules = {verdicts[n]["module"] for n in commands}
     assert modules == {"sglang_router.launch_server", "vllm.entrypoints.cli.main"}
 
 
-def test_single_engine_sglang_launcher_parses_too(engine_python, commands):
-    """dp_size 1 runs `sglang.launch_server` itself (no profile here does: a node's own)."""
-    cmd = commands["qwen3_6_27b pro6000x4 own"]
-    single = [cmd[0], "-m", "sglang.launch_server", *cmd[3:]]
-    i = single.index("--dp-size")
-    del single[i : i + 2]
-    [result] = run_in_engines(engine_python, CHECKER, [single])
-    assert result == {"ok": True, "module": "sglang.launch_server", "error": None}
+def test_single_engine_sglang_launcher_parses_too(verdicts):
+    assert verdicts["single engine"]["ok"], verdicts["single engine"]
+    assert verdicts["single engine"]["module"] == "sglang.launch_server"
 
 
-def test_a_removed_or_unknown_flag_is_named(engine_python, commands):
+def test_a_removed_or_unknown_flag_is_named(verdicts):
     """The check can fail: the flag SGLang 0.5.23 removed, and one vLLM never had."""
-    sglang = commands["qwen3_6_27b b200x8 own"] + ["--mamba-scheduler-strategy", "extra_buffer"]
-    single = [sglang[0], "-m", "sglang.launch_server", *sglang[3:]]
-    vllm = commands["tiny vllm_cpu none"] + ["--no-such-flag"]
-    results = run_in_engines(engine_python, CHECKER, [sglang, single, vllm])
-    assert not any(r["ok"] for r in results), results
-    for r in results[:2]:
-        assert "unrecognized arguments: --mamba-scheduler-strategy" in r["error"], r
-    assert "--no-such-flag" in results[2]["error"], results[2]
+    for name in ("router, removed flag", "single, removed flag"):
+        assert not verdicts[name]["ok"]
+        assert "unrecognized arguments: --mamba-scheduler-strategy" in verdicts[name]["error"]
+    assert not verdicts["vllm, unknown flag"]["ok"]
+    assert "--no-such-flag" in verdicts["vllm, unknown flag"]["error"]

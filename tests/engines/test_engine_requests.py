@@ -60,28 +60,35 @@ def bodies(engine_class: type[SGLangEngine]) -> list[dict]:
     return out
 
 
-def test_every_request_body_passes_the_engines_own_validation(engine_python: Path):
+@pytest.fixture(scope="module")
+def verdict(engine_python: Path) -> dict:
+    """The clients' bodies, then one of each with a key the engine does not know, through the
+    engines' request validation in one subprocess."""
     sglang, vllm = bodies(SGLangEngine), bodies(VLLMEngine)
-    assert any("priority" in b for b in sglang) and any(b["temperature"] > 0 for b in vllm)
-    verdict = run_in_engines(
-        engine_python, CHECKER, {"sglang": sglang, "vllm": vllm, "vocab_size": 1536}
+    wrong_sglang = {**sglang[0], "sampling_params": {**sglang[0]["sampling_params"]}}
+    wrong_sglang["sampling_params"]["sampling_seed_typo"] = 1
+    wrong_vllm = {**vllm[0], "max_new_tokens": 5}
+    out = run_in_engines(
+        engine_python,
+        CHECKER,
+        {"sglang": [*sglang, wrong_sglang], "vllm": [*vllm, wrong_vllm], "vocab_size": 1536},
     )
+    return {"sent": {"sglang": sglang, "vllm": vllm}, **out}
+
+
+def test_every_request_body_passes_the_engines_own_validation(verdict: dict):
+    sglang, vllm = verdict["sent"]["sglang"], verdict["sent"]["vllm"]
+    assert any("priority" in b for b in sglang) and any(b["temperature"] > 0 for b in vllm)
     failed = [
         f"{engine}: {error}\n  {body}"
         for engine, sent in (("sglang", sglang), ("vllm", vllm))
-        for body, error in zip(sent, verdict[engine], strict=True)
+        for body, error in zip(sent, verdict[engine][: len(sent)], strict=True)
         if error
     ]
     assert not failed, "\n".join(failed)
 
 
-def test_an_unknown_sampling_key_is_refused(engine_python: Path):
+def test_an_unknown_sampling_key_is_refused(verdict: dict):
     """The check can fail: a sampling key SGLang does not know, a field vLLM would ignore."""
-    [sglang], [vllm] = bodies(SGLangEngine)[:1], bodies(VLLMEngine)[:1]
-    sglang["sampling_params"]["sampling_seed_typo"] = 1
-    vllm["max_new_tokens"] = 5
-    verdict = run_in_engines(
-        engine_python, CHECKER, {"sglang": [sglang], "vllm": [vllm], "vocab_size": 1536}
-    )
-    assert verdict["sglang"][0] and "sampling_seed_typo" in verdict["sglang"][0], verdict
-    assert verdict["vllm"][0] and "max_new_tokens" in verdict["vllm"][0], verdict
+    assert verdict["sglang"][-1] and "sampling_seed_typo" in verdict["sglang"][-1], verdict
+    assert verdict["vllm"][-1] and "max_new_tokens" in verdict["vllm"][-1], verdict
