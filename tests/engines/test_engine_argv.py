@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_in_engines
+from engine_helpers import REPO, run_in_engines
 
 from draftline import cli
 from draftline.generation import engine_argv_check

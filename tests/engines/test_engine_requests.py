@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import HERE, REPO, run_in_engines
+from engine_helpers import HERE, REPO, run_in_engines
 
 from draftline.core.loss_mask import special_ids
 from draftline.core.target import load_tokenizer
