@@ -92,7 +92,7 @@ def test_gpu_profiles_are_data_parallel_as_measured() -> None:
     assert profiles["b200x8"]["sglang"]["dp_size"] == 8
     assert profiles["b200x8"]["sglang"]["tp_size"] == 1
     # What is served (precision, speculative decoding) is the model's: no profile may set it.
-    what = {"quantization", "kv_cache_dtype", "speculative", "reasoning_parser"}
+    what = {"quantization", "kv_cache_dtype", "speculative"}
     assert not [n for n, p in profiles.items() if what & set(p.get("sglang") or {})]
     assert profiles["pro6000x4"]["throughput"]["generate_tok_s"] == 1600
 

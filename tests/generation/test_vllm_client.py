@@ -81,9 +81,9 @@ def test_launch_command_is_eager_fp32_and_serves_the_drafter_as_dflash(tmp_path:
 
     model = with_speculation({"path": "models/x", "serving": {}}, drafter)
     cmd = vllm_server.server_command(PROFILE, model, port=31005, python="py")
-    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-    assert flags["--model"] == "models/x" and flags["--port"] == "31005"
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "models/x"]
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=False))
+    assert flags["--port"] == "31005"
     assert flags["--dtype"] == "float32" and "--enforce-eager" in cmd
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}

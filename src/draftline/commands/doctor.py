@@ -101,6 +101,7 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
     rows.append(("hardware=auto picks", True, chosen))
     rows.extend(_gpu_count_rows(profile, gpus, chosen))
     rows.extend(_engine_rows(profile))
+    rows.extend(_engine_argv_rows(run_params))
     free_gb = shutil.disk_usage(".").free / 1e9
     rows.append(
         (
@@ -192,6 +193,34 @@ def _host_cache_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool,
     from draftline.generation import host_cache
 
     return [(f"host cache ({profile.get('name')})", True, host_cache.describe(sg))]
+
+
+def _engine_argv_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """The command line `serve start` would launch, through the installed engine's own parser:
+    a flag it rejects is named here, before anything is launched. Without the engine installed
+    (a CPU node, or another environment not named yet) it says how to get it; no failure."""
+    from draftline.generation import engine_argv, sglang_server, vllm_server
+
+    hw = (run_params or {}).get("hardware") or {}
+    if not run_params or not (hw.get("sglang") or hw.get("vllm")):
+        return []
+    profile = hardware.resolve_profile(hw)
+    kind = "vllm" if profile.get("engine") == "vllm" else "sglang"
+    what = f"{kind} command line"
+    try:
+        cpu_vllm = kind == "vllm" and profile.get("device") == "cpu"
+        python = engine_argv.engine_python(kind, "vllm" if cpu_vllm else None)
+    except engine_argv.NotInstalled as err:
+        return [(what, True, f"warning: not checked: {err}")]
+    server = vllm_server if kind == "vllm" else sglang_server
+    try:
+        command = server.server_command(profile, run_params["model"], python=python)
+        [result] = engine_argv.check_commands(python, [command])
+    except (sglang_server.ServeError, RuntimeError, OSError, ValueError) as err:
+        return [(what, False, f"could not check it with {python}: {err}")]
+    if not result["ok"]:
+        return [(what, False, f"{result['module']} rejects it: {result['error']}")]
+    return [(what, True, f"{result['module']} ({python}) accepts the `serve start` command")]
 
 
 def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] | None]:

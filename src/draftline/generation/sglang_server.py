@@ -164,8 +164,8 @@ def server_command(
         ):
             if spec.get(key) is not None:
                 cmd += [flag, str(int(spec[key]))]
-    if model.get("hybrid") and serving.get("mamba_scheduler_strategy"):
-        cmd += ["--mamba-scheduler-strategy", str(serving["mamba_scheduler_strategy"])]
+    # A hybrid target needs no flag: `--mamba-radix-cache-strategy` defaults to `auto`, which
+    # picks extra_buffer for Qwen3.5/3.6 (SGLang 0.5.23, arg_groups/overrides.py).
     if sg.get("hierarchical_cache"):
         cmd += ["--enable-hierarchical-cache"]
         host_gb = host_cache.host_cache_gb(sg)
@@ -180,9 +180,8 @@ def server_command(
         max_new = int(model.get("max_new_tokens") or 0)
         cmd += ["--router-request-timeout-secs", str(timeouts.router_timeout_s(profile, max_new))]
         cmd += ["--router-disable-retries"]
-    if serving.get("reasoning_parser"):
-        cmd += ["--reasoning-parser", str(serving["reasoning_parser"])]
-    # We send and receive token ids only: the server needs no tokenizer of its own.
+    # We send and receive token ids only: the server needs no tokenizer of its own (nor a
+    # reasoning parser, which SGLang builds only with a tokenizer).
     if sg.get("skip_tokenizer_init", True):
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
@@ -228,7 +227,7 @@ def with_speculation(
 
 def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:
     """Environment the server needs beyond this process's: the node's (`sglang.env`), then the
-    model's (`serving.env`, e.g. SGLANG_ENABLE_SPEC_V2 for MTP on a hybrid model)."""
+    model's (`serving.env`)."""
     node = sglang_settings(profile).get("env") or {}
     served = (model.get("serving") or {}).get("env") or {}
     return {str(k): str(v) for k, v in {**node, **served}.items()}

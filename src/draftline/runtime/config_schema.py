@@ -61,8 +61,6 @@ SCHEMA: Schema = {
             "context_length": None,
             "deterministic_inference": None,
             "speculative": OPEN,
-            "mamba_scheduler_strategy": None,
-            "reasoning_parser": None,
             "env": OPEN,
         },
         "config": OPEN,

@@ -1,0 +1,26 @@
+"""The `engines` tests: what draftline sends to SGLang and vLLM, run through the pinned engines'
+own code (parsers, request models, DFlash loaders) in their environment, `.venv-engines`
+(`bash .ci/engines` builds it). Our code runs here; the engines' code runs in a subprocess of
+that environment's Python ($DRAFTLINE_ENGINES_PYTHON names another one). No GPU is needed and
+no module is stubbed: what the checks import loads on CPU (vLLM only logs that its CUDA
+extension `vllm._C` is missing); what would need one is left out and said so where it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import engines_python, export_tiny_drafter
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    python = engines_python()
+    if not python.exists():
+        pytest.skip(f"no engines environment at {python}: run `bash .ci/engines`")
+    return python
+
+
+@pytest.fixture(scope="session")
+def exported_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_tiny_drafter(tmp_path_factory.mktemp("engines") / "drafter")
