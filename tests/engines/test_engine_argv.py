@@ -28,11 +28,15 @@ GPU_PROFILES = ("pro6000x4", "b200x8")
 CHECKER = Path(engine_argv_check.__file__)
 
 
-def dry_run(tmp: Path, model: str, hardware: str, *mode: str) -> list[str]:
+def dry_run(
+    tmp: Path, model: str, hardware: str, *mode: str, overrides: tuple[str, ...] = ()
+) -> list[str]:
     """The command `draftline serve start --dry-run` prints, without its environment."""
-    path = tmp / f"{model}-{hardware}.yaml"
+    path = tmp / f"{model}-{hardware}{''.join(overrides)}.yaml"
     if not path.exists():
-        composed = params.compose([f"model={model}", f"hardware={hardware}"], REPO / "conf")
+        composed = params.compose(
+            [f"model={model}", f"hardware={hardware}", *overrides], REPO / "conf"
+        )
         path.write_text(params.to_yaml(composed), encoding="utf-8")
     out = _capture(["serve", "start", "--dry-run", "--params", str(path), *mode])
     words = shlex.split(out.strip())
@@ -66,25 +70,23 @@ def commands(tmp_path_factory, exported_drafter) -> dict[str, list[str]]:
     return out
 
 
-def single_engine(command: list[str]) -> list[str]:
-    """The same command with dp_size 1: `sglang.launch_server` itself (no profile here has
-    one engine, a node's own profile may)."""
-    single = [command[0], "-m", "sglang.launch_server", *command[3:]]
-    i = single.index("--dp-size")
-    return single[:i] + single[i + 2 :]
-
-
 REMOVED = ["--mamba-scheduler-strategy", "extra_buffer"]  # removed in SGLang 0.5.23
 
 
 @pytest.fixture(scope="module")
-def verdicts(engine_python, commands) -> dict[str, dict]:
+def verdicts(engine_python, commands, tmp_path_factory) -> dict[str, dict]:
     """Every command line, and the ones the checks below add, through the engines' parsers
     in one subprocess (its imports take most of the time)."""
+    # One engine per node (dp_size 1: no profile here has it, a node's own may): our code
+    # launches `sglang.launch_server` itself, without the router's flags.
+    single = dry_run(
+        tmp_path_factory.mktemp("single"), "qwen3_6_27b", "pro6000x4",
+        overrides=("hardware.sglang.dp_size=1",),
+    )  # fmt: skip
     extra = {
-        "single engine": single_engine(commands["qwen3_6_27b pro6000x4 own"]),
+        "single engine": single,
         "router, removed flag": commands["qwen3_6_27b b200x8 own"] + REMOVED,
-        "single, removed flag": single_engine(commands["qwen3_6_27b b200x8 own"]) + REMOVED,
+        "single, removed flag": single + REMOVED,
         "vllm, unknown flag": commands["tiny vllm_cpu none"] + ["--no-such-flag"],
     }
     every = {**commands, **extra}
