@@ -52,7 +52,7 @@ def profile_memory(
 
     def measure(stage: str, size: int) -> memory.Peak:
         key = {
-            "stage": stage, "size": size, "config": config, "drafter": hp.__dict__,
+            "stage": stage, "size": size, "config": config, "drafter": hp.identity(),
             "layers": model["target_layer_ids"], "max_length": max_length, "precision": precision,
             **({} if stage == "extract" else {"layout": layout.describe(), "world": world}),
         }  # fmt: skip
