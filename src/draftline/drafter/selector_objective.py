@@ -75,34 +75,33 @@ def selector_loss(
 ) -> SelectorParts:
     """The selector term over drafter outputs hidden [b, N, B, H] with the DFlash objective's
     labels and weights [b, N, B] (label 0 of a block is its anchor token)."""
-    block = labels.shape[-1]
+    # Every output k >= 1, weight 0 where unsupervised: static shapes (the memory plan runs this
+    # on fake tensors, which carry no values to select by).
+    block, size = labels.shape[-1], hidden.shape[-1]
     head = drafter.target.lm_head_weight
-    outputs = weights[..., 1:] > 0  # [b, N, B-1]
-    position = torch.arange(1, block, device=labels.device).expand_as(outputs)[outputs]
-    h = hidden[..., 1:, :][outputs]  # [n, H]
-    gold, previous, w = (
-        labels[..., 1:][outputs],
-        labels[..., :-1][outputs],
-        weights[..., 1:][outputs],
-    )
+    h = hidden[..., 1:, :].reshape(-1, size)
+    gold, previous = labels[..., 1:].reshape(-1), labels[..., :-1].reshape(-1)
+    w = weights[..., 1:].reshape(-1).float()
     if objective.stop_gradient:
         h = h.detach()
     candidates = top_candidates(h, head, drafter.candidate_selector.top_k)
     present = (candidates == gold[:, None]).any(-1)
     if objective.loss == "gold_insertion":
-        candidates = candidates.clone()
-        candidates[~present, -1] = gold[~present]
+        last = torch.where(present, candidates[:, -1], gold)
+        candidates = torch.cat([candidates[:, :-1], last[:, None]], dim=-1)
     scores = drafter.candidate_selector(h, candidates, unary_logits(h, head, candidates), previous)
     hit = candidates == gold[:, None]
-    trained = hit.any(-1)
     ce = torch.logsumexp(scores, -1) - (scores * hit).sum(-1)
-    weighted = (w.float() * torch.where(trained, ce, torch.zeros_like(ce))).sum()
+    weighted = (w * torch.where(hit.any(-1), ce, torch.zeros_like(ce))).sum()
     # An inserted gold token is no candidate at inference: recall@1 counts real ones only.
     top1 = present & (candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0] == gold)
+    supervised = (w > 0).float()
 
     def per_position(values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(block, device=labels.device)
-        return out.index_add(0, position, values.float().detach())
+        """[B] sums over the supervised outputs of each block position (0 for the anchor)."""
+        sums = (values.float().detach() * supervised).view(-1, block - 1).sum(0)
+        return torch.cat([sums.new_zeros(1), sums])
 
-    counted = per_position(torch.ones_like(w))
-    return SelectorParts(weighted, per_position(present), per_position(top1), counted)
+    return SelectorParts(
+        weighted, per_position(present), per_position(top1), per_position(supervised)
+    )
