@@ -156,7 +156,7 @@ def test_dflash2_costs_its_selector_and_convolutions_per_token():
     head = 2 * 5120 * 248320
     assert dflash2["family"] == "dflash2" and dflash["family"] == "dflash"
     extra = dflash2["forward"] - dflash["forward"]
-    assert head < extra < 1.05 * head  # the top-k's logits dominate what DFlash2 adds
+    assert head < extra < 1.1 * head  # the top-k's logits dominate what DFlash2 adds
     assert dflash2["train"] - dflash["train"] > head
 
 

@@ -113,6 +113,8 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "micro_batch_size": options.micro_batch_size,
         "global_batch_size": hp.global_batch_size,
         "features": "online" if result.extra.get("online") else "offline",
+        # DFlash2: its selector's last recall@1 and recall@top-k (`selector_objective`).
+        **{f"final_{k}": v for k, v in last.items() if k.startswith("selector_recall")},
         **options.layout.describe(),
         **hardware.describe(profile),
     }
