@@ -154,7 +154,9 @@ def assert_same_curve(got: Path, want: Path, tolerance: float) -> None:
 
 
 def assert_same_drafter(got: Path, want: Path, tolerance: float | None = None) -> None:
-    """The exported weights: equal (tolerance None) or within `tolerance`, absolute."""
+    """The exported weights: equal (tolerance None) or within `tolerance`, absolute, plus one
+    bf16 rounding step (the export's dtype: master weights 1e-7 apart can round to neighbouring
+    bf16 values; measured once on a DFlash2 FSDP run, one k_proj element one step apart)."""
     from safetensors.torch import load_file
 
     a = load_file(str(got / "drafter" / "model.safetensors"))
@@ -164,7 +166,7 @@ def assert_same_drafter(got: Path, want: Path, tolerance: float | None = None) -
         if tolerance is None:
             assert torch.equal(a[name], b[name]), name
         else:
-            torch.testing.assert_close(a[name], b[name], atol=tolerance, rtol=0, msg=name)
+            torch.testing.assert_close(a[name], b[name], atol=tolerance, rtol=2**-7, msg=name)
 
 
 def checkpoint_step(run: Path) -> int:
