@@ -27,7 +27,8 @@ RUNS_DIR = Path("logs/runs")
 REPORTS_DIR = Path("reports")
 # What the run computed on (`draftline.runtime.params.identity`): kept with the results, so
 # `draftline plan` uses a file's figures only for the same target, data and drafter.
-IDENTITY_KEYS = ("model", "data", "drafter")
+# drafter_family: only in records of a family other than DFlash (`params.identity`).
+IDENTITY_KEYS = ("model", "data", "drafter", "drafter_family")
 THROUGHPUT_PATH = REPORTS_DIR / "throughput.json"
 
 

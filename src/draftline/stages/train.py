@@ -23,9 +23,16 @@ from draftline.runtime.atomic import write_text
 RESULT_KEYS = (
     "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
     "final_loss", "final_accuracy", "final_accuracy_per_position",
+    "final_selector_recall_top1", "final_selector_recall_topk",
 )  # fmt: skip
-# What `dvc exp show` compares (the rest is in reports/train.json).
-COMPARE_KEYS = ("final_loss", "final_accuracy")
+# What `dvc exp show` compares (the rest is in reports/train.json); the selector's recall only
+# for DFlash2 runs (the keys a record lacks are left out).
+COMPARE_KEYS = (
+    "final_loss",
+    "final_accuracy",
+    "final_selector_recall_top1",
+    "final_selector_recall_topk",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
