@@ -33,8 +33,7 @@ def test_compared_figures_to_metrics_results_and_identity_to_the_report(tmp_path
 
 
 def test_a_drafter_family_other_than_dflash_is_part_of_the_identity(tmp_path: Path):
-    """DFlash2 runs say so in their report (DFlash runs' reports are as they were), and a
-    DFlash2 run's throughput is never taken for a DFlash run's."""
+    """DFlash2 runs say so in their report; DFlash runs' reports are as they were."""
     from draftline.runtime import params
 
     composed = {"model": {"path": "m", "revision": None}, "data": {"name": "d"}}
