@@ -1,9 +1,10 @@
 """What DFlash2 adds to the DFlash drafter (`draftline.drafter.dflash`), and nothing else.
 
-Two parts, both inert until trained (a fresh DFlash2 drafts exactly as a DFlash with the same
-weights), under the parameter names of z-lab/dflash `dflash/model.py`, SGLang's and vLLM's
-`DFlash2DraftModel` (`dflash_config`: conv_kernel_size, conv_group_size, selector_rank,
-selector_top_k):
+Two parts, both inert until trained (a fresh DFlash2 drafts greedily exactly as a DFlash with
+the same weights), under the parameter names of z-lab/dflash `dflash/model.py` and of the
+`DFlash2DraftModel` architecture SGLang and vLLM serve (vLLM's class `DFlash2Qwen3ForCausalLM`,
+speculative method `dflash`); `dflash_config` adds conv_kernel_size, conv_group_size,
+selector_rank and selector_top_k:
 
 - Grouped dynamic convolutions (`GroupedDynamicConv`): each decoder layer's attention and MLP
   are wrapped by a causal convolution of `conv_kernel_size` taps along the block's positions
