@@ -11,6 +11,7 @@ import torch
 
 from draftline.drafter import memory, memory_plan
 from draftline.drafter.build import Hyperparameters
+from draftline.drafter.dflash import DFlashConfig
 from draftline.drafter.sharding import Layout
 from draftline.runtime import hardware, params
 
@@ -51,9 +52,15 @@ def test_shallow_depth_is_one_period_of_layer_types_and_one_layer_per_state():
     assert memory.shallow_depth(dense, 5) == 5
 
 
-def production() -> tuple[dict, dict]:
+# The drafter profile of each family for the tiny targets and for Qwen3.6-27B.
+TINY = {"dflash": "dflash_tiny", "dflash2": "dflash2_tiny"}
+PRODUCTION = {"dflash": "dflash_b16", "dflash2": "dflash2_b8"}
+
+
+def production(family: str = "dflash") -> tuple[dict, dict]:
     composed = params.compose(
-        ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16", "hardware=b200x8"], CONF
+        ["model=qwen3_6_27b", "data=sharegpt", f"drafter={PRODUCTION[family]}", "hardware=b200x8"],
+        CONF,
     )
     return composed, hardware.load_profiles(CONF)
 
@@ -85,11 +92,13 @@ def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_targ
     assert 5.7 * GIB < direct_online.resident["target"] < 5.9 * GIB
 
 
-def test_fsdp_holds_one_share_per_process_and_lowers_the_peak(tiny_target_dir):
+@pytest.mark.parametrize("family", TINY)
+def test_fsdp_holds_one_share_per_process_and_lowers_the_peak(tiny_target_dir, family):
     """The embedded target, online, one process (DDP layout) against FSDP2 over 4 processes:
     drafter, optimizer state and target are a quarter (rounded up per tensor); the head is
-    whole; checkpointing the drafter layers lowers the step's peak further."""
-    composed = params.compose([], CONF)
+    whole; checkpointing the drafter layers lowers the step's peak further. Either family
+    (DFlash2's selector is one more FSDP unit, its codebooks sharded with it)."""
+    composed = params.compose([f"drafter={TINY[family]}"], CONF)
     model = {**composed["model"], "path": str(tiny_target_dir), "config": None}
     hp = Hyperparameters.from_params(composed["drafter"])
 
@@ -108,10 +117,11 @@ def test_fsdp_holds_one_share_per_process_and_lowers_the_peak(tiny_target_dir):
     assert recomputed.peak_bytes < sharded.peak_bytes < whole.peak_bytes
 
 
-def test_qwen36_trains_online_on_both_gpu_profiles_with_room_to_spare():
+@pytest.mark.parametrize("family", PRODUCTION)
+def test_qwen36_trains_online_on_both_gpu_profiles_with_room_to_spare(family):
     """Sharded (FSDP2 over the node's GPUs): online training leaves >= 10% of a PRO 6000 and
-    >= 25% of a B200 free, and every stage fits."""
-    composed, profiles = production()
+    >= 25% of a B200 free, and every stage fits; for either family's drafter profile."""
+    composed, profiles = production(family)
     b200 = memory_plan.profile_memory(composed, {**profiles["b200x8"], "name": "b200x8"})
     pro = memory_plan.profile_memory(composed, {**profiles["pro6000x4"], "name": "pro6000x4"})
     for plan, free in ((pro, 0.10), (b200, 0.25)):
@@ -129,6 +139,25 @@ def test_qwen36_trains_online_on_both_gpu_profiles_with_room_to_spare():
         held = sum(plan["stages"]["train_offline"]["resident"].values())
         per_sequence.append((plan["stages"]["train_offline"]["peak_bytes"] - held) / micro)
     assert per_sequence[0] == pytest.approx(per_sequence[1], rel=0.25)
+    assert b200["drafter"]["family"] == family and b200["drafter"]["train"] > 0
+
+
+def test_dflash2_costs_its_selector_and_convolutions_per_token():
+    """The plan's FLOPs per drafter output token: DFlash2 on DFlash's backbone adds a second
+    pass of the lm_head (the selector's top-k, forward only) and its small parts; its
+    codebooks (2 x vocab x rank) add to the drafter's resident bytes."""
+    from draftline.drafter.flops import flops_per_token
+
+    composed = params.compose(["model=qwen3_6_27b", "drafter=dflash2_b8"], CONF)
+    model, hp = composed["model"], Hyperparameters.from_params(composed["drafter"])
+    config = memory_plan.drafter_config(model, hp, memory.text_config(model))
+    dflash2 = flops_per_token(config, 1024)
+    dflash = flops_per_token(DFlashConfig(**{**config.__dict__, "dflash2": None}), 1024)
+    head = 2 * 5120 * 248320
+    assert dflash2["family"] == "dflash2" and dflash["family"] == "dflash"
+    extra = dflash2["forward"] - dflash["forward"]
+    assert head < extra < 1.1 * head  # the top-k's logits dominate what DFlash2 adds
+    assert dflash2["train"] - dflash["train"] > head
 
 
 def test_a_cpu_profile_is_not_planned_and_a_hub_model_without_config_names_the_fix():

@@ -513,6 +513,7 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         assert set(memory["stages"]) == {"extract", "train_offline", "train_online"}
         assert memory["device_bytes"] > memory["usable_bytes"]
         assert memory["layout"]["sharding"] == "fsdp"
+        assert memory["drafter"]["family"] == "dflash" and memory["drafter"]["train"] > 0
     assert not [r for r in out["recommendations"] if r["kind"] == "memory"]
 
 

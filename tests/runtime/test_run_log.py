@@ -32,6 +32,21 @@ def test_compared_figures_to_metrics_results_and_identity_to_the_report(tmp_path
     assert json.loads(Path(args.throughput).read_text())["extract"]["tokens_per_s"] == 4.0
 
 
+def test_a_drafter_family_other_than_dflash_is_part_of_the_identity(tmp_path: Path):
+    """DFlash2 runs say so in their report; DFlash runs' reports are as they were."""
+    from draftline.runtime import params
+
+    composed = {"model": {"path": "m", "revision": None}, "data": {"name": "d"}}
+    dflash = params.identity({**composed, "drafter": {"name": "dflash_tiny"}})
+    dflash2 = params.identity(
+        {**composed, "drafter": {"name": "dflash2_tiny", "family": "dflash2"}}
+    )
+    assert "drafter_family" not in dflash and dflash2["drafter_family"] == "dflash2"
+    args = args_for(tmp_path)
+    run_log.write(args, "train", {"final_loss": 1.0, **dflash2}, ("final_loss",), (), None)
+    assert json.loads(Path(args.report).read_text())["drafter_family"] == "dflash2"
+
+
 def test_a_run_that_measured_nothing_keeps_the_last_throughput(tmp_path: Path):
     """A rerun that reused every pack measured no speed: the earlier figure stays (it once
     became 0.0 tok/s, which `draftline plan` would read as a stage that never ends)."""

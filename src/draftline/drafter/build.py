@@ -7,7 +7,7 @@ Used by training and by evaluation (the untrained baseline), so neither imports 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter.dflash2 import FAMILIES, DFlash2Layout
+from draftline.drafter.selector_objective import SelectorObjective
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,15 @@ class Hyperparameters:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     sliding_causal: bool | None = None
+    # `drafter.family`: dflash, or dflash2 with its layout and selector objective (the
+    # `conv_*`, `selector_*` params of its profiles).
+    family: str = "dflash"
+    dflash2: DFlash2Layout | None = None
+    selector: SelectorObjective | None = None
 
     @classmethod
     def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
-        optional = (*SHAPE_FIELDS, *LAYOUT_FIELDS)
+        optional = (*SHAPE_FIELDS, *LAYOUT_FIELDS, "family", "dflash2", "selector")
         names = [n for n in cls.__dataclass_fields__ if n not in optional]
         missing = [n for n in names if n not in drafter]
         if missing:
@@ -61,7 +68,17 @@ class Hyperparameters:
             layer_types=None if layer_types is None else tuple(str(t) for t in layer_types),
             sliding_window=None if window is None else int(window),
             sliding_causal=None if causal is None else bool(causal),
+            **_family(drafter),
         )
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint is of (`training.run_fingerprint`): a DFlash run's is what it was
+        before there were families, so its checkpoints still resume."""
+        values = asdict(self)
+        if self.family == "dflash":
+            for name in ("family", "dflash2", "selector"):
+                values.pop(name)
+        return values
 
     def shape(self) -> dict[str, Any]:
         """The shape and layout fields that are set (the rest derive from the target)."""
@@ -71,6 +88,26 @@ class Hyperparameters:
         return {n: v for n, v in set_fields.items() if v is not None}
 
 
+def _family(drafter: dict[str, Any]) -> dict[str, Any]:
+    family = str(drafter.get("family") or "dflash")
+    if family not in FAMILIES:
+        raise SystemExit(f"drafter.family={family!r}: one of {', '.join(FAMILIES)}")
+    if family == "dflash":
+        return {}
+    missing = [n for n in (*DFLASH2_FIELDS, *SELECTOR_FIELDS) if drafter.get(n) is None]
+    if missing:
+        raise SystemExit(f"drafter.family=dflash2 needs drafter.{missing}: see conf/drafter/")
+    defaults = SelectorObjective()
+    selector = {f: type(getattr(defaults, f))(drafter[n]) for n, f in SELECTOR_FIELDS.items()}
+    return {
+        "family": family,
+        "dflash2": DFlash2Layout(**{n: int(drafter[n]) for n in DFLASH2_FIELDS}),
+        "selector": SelectorObjective(**selector),
+    }
+
+
+DFLASH2_FIELDS = tuple(DFlash2Layout.__dataclass_fields__)
+SELECTOR_FIELDS = {f"selector_{f}": f for f in SelectorObjective.__dataclass_fields__}
 SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 LAYOUT_FIELDS = ("layer_types", "sliding_window", "sliding_causal")
 _DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
@@ -142,6 +179,7 @@ def build_drafter(
         block_size=hp.block_size,
         mask_token_id=mask_token_id(model),
         target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        dflash2=hp.dflash2,
         **hp.shape(),
     )
     torch.manual_seed(hp.seed)

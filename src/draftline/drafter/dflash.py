@@ -9,6 +9,7 @@ to its own B tokens and to context positions strictly before its anchor, never t
 a `sliding_attention` layer only to keys within `sliding_window` - 1 positions of the query.
 Training runs many blocks per sequence in one pass (`DFlashDrafter.forward` takes N anchors);
 inference is the same call with one block whose anchor is the context length.
+DFlash2 (`dflash2` set) adds block convolutions and a candidate selector (`drafter.dflash2`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+
+from draftline.drafter import dflash2
+from draftline.drafter.dflash2 import DFlash2Layout, wrap
+from draftline.drafter.qwen3_parts import RMSNorm, apply_rope, rope_cos_sin
 
 # Queries per attention chunk in the block-wise attention: bounds the score matrix while
 # keeping the SDPA calls large enough to be efficient.
@@ -61,6 +66,7 @@ class DFlashConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     sliding_causal: bool = False
+    dflash2: DFlash2Layout | None = None  # None: the DFlash family
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,6 +76,12 @@ class DFlashConfig:
         if SLIDING in kinds and not (self.sliding_window or 0) > 0:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         self.sliding_causal = bool(self.sliding_causal and SLIDING in kinds)
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.block_size, self.vocab_size)
+
+    @property
+    def family(self) -> str:
+        return "dflash" if self.dflash2 is None else "dflash2"
 
     @classmethod
     def from_target(
@@ -87,6 +99,7 @@ class DFlashConfig:
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
         sliding_causal: bool = False,
+        dflash2: DFlash2Layout | None = None,
     ) -> DFlashConfig:
         """Drafter config from the target's (text) `config.json` dict and the drafter's choices.
 
@@ -126,18 +139,20 @@ class DFlashConfig:
             layer_types=layer_types,
             sliding_window=sliding_window,
             sliding_causal=sliding_causal,
+            dflash2=dflash2,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """`config.json` in the DFlash format that SGLang, vLLM and the reference load."""
+        """`config.json` in the DFlash(2) format that SGLang, vLLM and the references load."""
         sliding = SLIDING in (self.layer_types or [])
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [dflash2.ARCHITECTURES[self.family]],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                **(self.dflash2.to_json() if self.dflash2 else {}),
             },
             **{name: getattr(self, name) for name in JSON_FIELDS},
             "hidden_act": "silu",
@@ -166,6 +181,7 @@ class DFlashConfig:
         if not data.get("use_sliding_window", True):  # transformers' Qwen3: no window at all
             flat["layer_types"], flat["sliding_window"] = None, None
         flat["sliding_causal"] = bool(data.get("is_causal", True))  # vLLM's reading
+        flat["dflash2"] = DFlash2Layout.from_json(dflash)
         return cls(**flat)
 
 
@@ -195,40 +211,6 @@ class TargetHead:
             self.embed_weight.to(device=device, dtype=dtype),
             self.lm_head_weight.to(device=device, dtype=dtype),
         )
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, scale by a learned weight, back to the input dtype."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary cos/sin for integer positions of any shape: [..., head_dim]."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    )
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., heads, head_dim]; cos/sin: [..., head_dim] broadcast over heads."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def context_span(
@@ -412,10 +394,11 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None  # DFlash2's convolutions (dflash2.attach)
 
     def forward(self, x: torch.Tensor, blocks: BlockInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), blocks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + wrap(self.attention_conv, self.self_attn, self.input_layernorm(x), blocks)
+        return x + wrap(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -434,6 +417,7 @@ class DFlashDrafter(nn.Module):
             DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.candidate_selector = dflash2.attach(self.layers, config)  # None for DFlash
         self.attention_implementation = "blockwise"  # or "dense": same math, to check with
         # Key/value heads repeated for the query heads (None: on CUDA; `block_prefix_attention`);
         # memory planning sets it to measure a GPU's step on CPU.
@@ -449,6 +433,7 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        dflash2.reset_parameters(self)  # after the linears: DFlash2's parts start as no-ops
 
     def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[..., S] block ids `[anchor token, MASK x (S-1)]` for anchor tokens [...]."""
@@ -495,4 +480,4 @@ class DFlashDrafter(nn.Module):
         anchor = torch.tensor([[anchor_id]], device=feats.device)
         block = self.block_input_ids(anchor)
         hidden = self.forward(feats, block, torch.tensor([[t]], device=feats.device))
-        return self.logits(hidden[0, 0, 1:]).argmax(-1)
+        return dflash2.greedy_drafts(self, hidden[0, :, 1:], anchor[0])[0]

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from draftline.drafter.dflash2 import proposal_logits
+
 # Logit elements per drafter pass ([anchors, B, vocab] fp32): bounds memory for big vocabularies.
 LOGITS_PER_PASS = 2**26
 
@@ -79,19 +81,21 @@ def anchor_logits(
     drafter: Any, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(anchors, drafter logits [n, B-1, vocab]) of the blocks at `anchors` (sorted), in
-    chunks that bound the logits' memory.
+    chunks that bound the logits' memory. DFlash2: the selector's, each output given the
+    sequence's token before it (`dflash2.proposal_logits`).
 
     features: [T, K*H] of the whole sequence; block j only sees positions < anchors[j].
     """
     block = drafter.config.block_size
     per_pass = max(1, LOGITS_PER_PASS // (block * drafter.config.vocab_size))
     device = drafter.fc.weight.device
-    feats = features[None].to(device)
+    feats, ids = features[None].to(device), tokens.to(device)
     for start in range(0, len(anchors), per_pass):
         chunk = anchors[start : start + per_pass].to(device)
-        block_ids = drafter.block_input_ids(tokens.to(device)[chunk])
-        hidden = drafter(feats, block_ids[None], chunk[None])
-        yield chunk, drafter.logits(hidden)[0, :, 1:].float()
+        block_ids = drafter.block_input_ids(ids[chunk])
+        hidden = drafter(feats, block_ids[None], chunk[None])[0, :, 1:]
+        before = chunk[:, None] + torch.arange(block - 1, device=device)
+        yield chunk, proposal_logits(drafter, hidden, ids[before.clamp(max=len(ids) - 1)]).float()
 
 
 def anchor_drafts(

@@ -275,6 +275,7 @@ def _drafter(model: dict[str, Any], hp: Hyperparameters, config: dict[str, Any])
         block_size=hp.block_size,
         mask_token_id=int(config["vocab_size"]) - 1,  # any id: memory does not depend on it
         target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        dflash2=hp.dflash2,
         **hp.shape(),
     )
     vocab, hidden = dconfig.vocab_size, dconfig.hidden_size
@@ -379,8 +380,11 @@ def train_step_peak(
             weights=torch.empty(b, n, s),
         )  # fmt: skip
         with autocast("cpu", precision):
-            parts = step_loss(trained, drafter.target.lm_head_weight, features, batch)
-            parts.weighted_ce.backward()
+            parts = step_loss(
+                trained, drafter.target.lm_head_weight, features, batch, hp.selector, drafter
+            )
+            selector = parts.selector.weighted_ce if parts.selector is not None else 0.0
+            (parts.weighted_ce + selector).backward()
         torch.nn.utils.clip_grad_norm_(params, hp.grad_clip, foreach=gpu)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

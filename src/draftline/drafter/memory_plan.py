@@ -13,6 +13,8 @@ from typing import Any
 
 from draftline.drafter import memory
 from draftline.drafter.build import Hyperparameters
+from draftline.drafter.dflash import DFlashConfig
+from draftline.drafter.flops import flops_per_token
 from draftline.drafter.sharding import Layout
 
 GIB = 2**30
@@ -52,7 +54,7 @@ def profile_memory(
 
     def measure(stage: str, size: int) -> memory.Peak:
         key = {
-            "stage": stage, "size": size, "config": config, "drafter": hp.__dict__,
+            "stage": stage, "size": size, "config": config, "drafter": hp.identity(),
             "layers": model["target_layer_ids"], "max_length": max_length, "precision": precision,
             **({} if stage == "extract" else {"layout": layout.describe(), "world": world}),
         }  # fmt: skip
@@ -88,10 +90,27 @@ def profile_memory(
         "precision": precision,
         "layout": {**layout.describe(), "processes": world},
         "stages": stages,
+        # FLOPs per drafter output token of a step (the family's: DFlash2 adds its parts).
+        "drafter": flops_per_token(drafter_config(model, hp, config), max_length // 2),
         "source": "fake-tensor run of the project's extract and training step "
         f"({precision}, micro-batch {micro}, {tokens} tokens per extract batch, "
         f"training {describe_layout(layout, world)})",
     }
+
+
+def drafter_config(
+    model: dict[str, Any], hp: Hyperparameters, config: dict[str, Any]
+) -> DFlashConfig:
+    """The drafter's architecture for the target (`build.build_drafter`'s, without weights)."""
+    return DFlashConfig.from_target(
+        config,
+        num_hidden_layers=hp.num_hidden_layers,
+        block_size=hp.block_size,
+        mask_token_id=0,  # any id: the cost does not depend on it
+        target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        dflash2=hp.dflash2,
+        **hp.shape(),
+    )
 
 
 def describe_layout(layout: Layout, world: int) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draftline.drafter.linear_cross_entropy import linear_cross_entropy
+from draftline.drafter.selector_objective import SelectorParts
 
 
 def keeps_sequence(loss_mask: torch.Tensor, block_size: int) -> bool:
@@ -172,6 +173,7 @@ class LossParts:
     weighted_ce: torch.Tensor  # scalar, differentiable: sum of w * CE
     correct: torch.Tensor  # [B] greedy hits per block position (where weight > 0)
     counted: torch.Tensor  # [B] supervised outputs per block position
+    selector: SelectorParts | None = None  # DFlash2's selector term (`selector_objective`)
 
 
 def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -76,11 +76,14 @@ def checkpoint_layers(layers: nn.ModuleList) -> None:
 
 
 def shard_drafter(drafter: nn.Module, device_mesh: Any) -> nn.Module:
-    """FSDP2 over the drafter: one unit per decoder layer, one for the rest (`fc`, norms)."""
+    """FSDP2 over the drafter: one unit per decoder layer, one for DFlash2's selector, one for
+    the rest (`fc`, norms)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in drafter.layers:
         fully_shard(layer, mesh=device_mesh)
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: called after the
+        fully_shard(drafter.candidate_selector, mesh=device_mesh)  # drafter's forward, alone
     fully_shard(drafter, mesh=device_mesh)
     return drafter
 

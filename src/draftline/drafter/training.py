@@ -43,6 +43,7 @@ from draftline.drafter.objective import (
     make_blocks,
 )
 from draftline.drafter.packs import ExtractedData
+from draftline.drafter.selector_objective import SelectorObjective, selector_loss
 from draftline.drafter.sharding import Layout
 from draftline.runtime import distributed
 
@@ -130,7 +131,9 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Any:
 def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedData) -> str:
     """What a checkpoint belongs to: a changed param or dataset never resumes a stale one."""
     keys = {k: model.get(k) for k in ("path", "revision", "target_layer_ids", "mask_token_id")}
-    text = json.dumps({"model": keys, "hp": hp.__dict__, "data": data.fingerprint}, sort_keys=True)
+    text = json.dumps(
+        {"model": keys, "hp": hp.identity(), "data": data.fingerprint}, sort_keys=True
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -184,12 +187,21 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
 
 
 def step_loss(
-    trained: nn.Module, lm_head_weight: torch.Tensor, features: torch.Tensor, mb: MicroBatch
+    trained: nn.Module,
+    lm_head_weight: torch.Tensor,
+    features: torch.Tensor,
+    mb: MicroBatch,
+    selector: SelectorObjective | None = None,
+    drafter: DFlashDrafter | None = None,
 ) -> LossParts:
     """The drafter's forward and the objective on one micro-batch: the one place the loss is
-    called, by the loop and by the memory plan (`draftline.drafter.memory`)."""
+    called, by the loop and by the memory plan (`draftline.drafter.memory`). DFlash2 adds its
+    selector's term (`selector_objective`; `drafter`: the module that `trained` lays out)."""
     hidden = trained(features, mb.block_ids, mb.anchors)
-    return block_loss(hidden, lm_head_weight, mb.labels, mb.weights)
+    parts = block_loss(hidden, lm_head_weight, mb.labels, mb.weights)
+    if selector is not None and drafter is not None:
+        parts.selector = selector_loss(drafter, hidden, mb.labels, mb.weights, selector)
+    return parts
 
 
 def load_online_target(
@@ -300,7 +312,8 @@ def train(
             total_weight = distributed.all_sum_tensor(
                 torch.tensor(sum(float(mb.weights.sum()) for _, mb in micro), device=device)
             )
-            sums = torch.zeros(3 + 2 * hp.block_size, dtype=torch.float64, device=device)
+            sums = torch.zeros(4 + 4 * hp.block_size, dtype=torch.float64, device=device)
+            alpha = hp.selector.weight(step, total_steps) if hp.selector else 0.0
             for number, (share, mb) in enumerate(micro):
                 mb = mb.to(device)
                 features = _features(data, share, mb, target_lm, layer_ids, device)
@@ -308,13 +321,17 @@ def train(
                     sharding.gradient_sync(trained, number == len(micro) - 1),
                     autocast(device.type, run.precision),
                 ):
-                    parts = step_loss(trained, head.lm_head_weight, features, mb)
+                    parts = step_loss(
+                        trained, head.lm_head_weight, features, mb, hp.selector, drafter
+                    )
+                    loss = parts.weighted_ce
+                    if parts.selector is not None:  # in the graph even at alpha 0 (DDP, FSDP)
+                        loss = loss + alpha * parts.selector.weighted_ce
                     # DDP and FSDP average gradients over processes; the sum is what we want.
-                    (parts.weighted_ce * world.size / total_weight).backward()
+                    (loss * world.size / total_weight).backward()
                 sums[0] += parts.weighted_ce.detach().double()
                 sums[1] += mb.num_tokens
-                sums[3 : 3 + hp.block_size] += parts.correct.double()
-                sums[3 + hp.block_size :] += parts.counted.double()
+                _add_parts(sums, parts, hp.block_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), hp.grad_clip)
             lr = schedule.get_last_lr()[0]
             optimizer.step()
@@ -326,6 +343,8 @@ def train(
             record = _step_record(
                 sums, total_weight, hp.block_size, lr, sharding.local_float(grad_norm)
             )
+            if hp.selector is not None:
+                record.update(_selector_record(sums, total_weight, hp.block_size, alpha))
             history.append(record)
             metrics.log(step, record)
             bar.update(1)
@@ -397,10 +416,35 @@ def _features(
     return out.to(device)
 
 
+def _add_parts(sums: torch.Tensor, parts: LossParts, block: int) -> None:
+    """sums: [loss, tokens, -, selector loss, then B each of: greedy hits, supervised outputs,
+    selector top-k recall, selector top-1 recall]."""
+    sums[4 : 4 + block] += parts.correct.double()
+    sums[4 + block : 4 + 2 * block] += parts.counted.double()
+    if parts.selector is not None:
+        sums[3] += parts.selector.weighted_ce.detach().double()
+        sums[4 + 2 * block : 4 + 3 * block] += parts.selector.in_top_k.double()
+        sums[4 + 3 * block :] += parts.selector.top1.double()
+
+
+def _selector_record(
+    sums: torch.Tensor, total_weight: torch.Tensor, block: int, alpha: float
+) -> dict[str, float]:
+    """DFlash2's selector: its loss, and how often the gold token is among the candidates
+    (recall@top-k, the selector's ceiling) and is the one it scores best (recall@1)."""
+    counted = sums[4 + block : 4 + 2 * block].sum().clamp(min=1)
+    return {
+        "selector_loss": float(sums[3] / total_weight),
+        "selector_alpha": alpha,
+        "selector_recall_topk": float(sums[4 + 2 * block : 4 + 3 * block].sum() / counted),
+        "selector_recall_top1": float(sums[4 + 3 * block :].sum() / counted),
+    }
+
+
 def _step_record(
     sums: torch.Tensor, total_weight: torch.Tensor, block: int, lr: float, grad_norm: float
 ) -> dict[str, float]:
-    correct, counted = sums[3 : 3 + block], sums[3 + block :]
+    correct, counted = sums[4 : 4 + block], sums[4 + block : 4 + 2 * block]
     record = {
         "loss": float(sums[0] / total_weight),
         "acc": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),

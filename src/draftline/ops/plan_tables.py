@@ -221,6 +221,10 @@ def _print_memory(console: Any, plan: dict[str, Any]) -> None:
             for p in rows if "train_online" in p["memory"]["stages"]]  # fmt: skip
     if len(free) == len(rows):
         table_rows.append(("online: GPU free", [f"{f:.0%}" for f in free]))
+    drafters = [p["memory"].get("drafter") or {} for p in rows]
+    if all(drafters):  # the family's cost per drafter output token of a training step
+        cells = [f"{d['family']} {d['train'] / 1e9:,.1f}" for d in drafters]
+        table_rows.append(("drafter GFLOP/token", cells))
     table = _by_profile(
         "Memory per GPU, GiB (fake-tensor run of the project's code; 5% kept free)",
         rows,

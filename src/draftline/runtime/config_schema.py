@@ -105,6 +105,17 @@ SCHEMA: Schema = {
         "epochs": None,
         "grad_clip": None,
         "seed": None,
+        # DFlash2 profiles (conf/drafter/dflash2_*.yaml): the family, its layout, its selector.
+        "family": None,
+        "conv_kernel_size": None,
+        "conv_group_size": None,
+        "selector_rank": None,
+        "selector_top_k": None,
+        "selector_loss": None,
+        "selector_alpha": None,
+        "selector_warmup_ratio": None,
+        "selector_ramp_ratio": None,
+        "selector_stop_gradient": None,
     },
     "hardware": {
         "name": None,

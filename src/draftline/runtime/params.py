@@ -79,10 +79,13 @@ def identity(p: dict[str, Any]) -> dict[str, Any]:
     measured figures only for the same target (path@revision), data and drafter."""
     from draftline.core.target import model_ref
 
+    drafter = p.get("drafter") or {}
     return {
         "model": model_ref(p["model"]),
         "data": (p.get("data") or {}).get("name"),
-        "drafter": (p.get("drafter") or {}).get("name"),
+        "drafter": drafter.get("name"),
+        # Named by the profiles of the families other than DFlash (drafter.family).
+        **({"drafter_family": drafter["family"]} if drafter.get("family") else {}),
     }
 
 

@@ -28,12 +28,15 @@ REPORTS_DIR = Path("reports")
 # What the run computed on (`draftline.runtime.params.identity`): kept with the results, so
 # `draftline plan` uses a file's figures only for the same target, data and drafter.
 IDENTITY_KEYS = ("model", "data", "drafter")
+# Reports also name the drafter family of a run of another family than DFlash (only those
+# records hold it, `params.identity`; the drafter profile name already tells runs apart).
+REPORT_IDENTITY_KEYS = (*IDENTITY_KEYS, "drafter_family")
 THROUGHPUT_PATH = REPORTS_DIR / "throughput.json"
 
 
 def results(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     """The result keys of a full stage record, in the order given, then its identity."""
-    return {k: record[k] for k in (*keys, *IDENTITY_KEYS) if k in record}
+    return {k: record[k] for k in (*keys, *REPORT_IDENTITY_KEYS) if k in record}
 
 
 def compared(record: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:

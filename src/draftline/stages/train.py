@@ -23,10 +23,17 @@ from draftline.runtime.atomic import write_text
 RESULT_KEYS = (
     "steps", "num_sequences", "dropped_sequences", "global_batch_size", "first_loss",
     "final_loss", "final_accuracy", "final_accuracy_per_position",
+    "final_selector_recall_top1", "final_selector_recall_topk",
 )  # fmt: skip
 # What `dvc exp show` compares (the rest is in reports/train.json), in its column order: the
-# final loss comes right after evaluate's tau (dvc.yaml's top-level `metrics:` order).
-COMPARE_KEYS = ("final_loss", "final_accuracy")
+# final loss comes right after evaluate's tau (dvc.yaml's top-level `metrics:` order); the
+# selector's recall only for DFlash2 runs (the keys a record lacks are left out).
+COMPARE_KEYS = (
+    "final_loss",
+    "final_accuracy",
+    "final_selector_recall_top1",
+    "final_selector_recall_topk",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +123,8 @@ def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict
         "micro_batch_size": options.micro_batch_size,
         "global_batch_size": hp.global_batch_size,
         "features": "online" if result.extra.get("online") else "offline",
+        # DFlash2: its selector's last recall@1 and recall@top-k (`selector_objective`).
+        **{f"final_{k}": v for k, v in last.items() if k.startswith("selector_recall")},
         **options.layout.describe(),
         **hardware.describe(profile),
     }
