@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -528,6 +529,21 @@ P_API_KEY = "ak-Plant-3301"
 P_DSN_KEY = "f00dPlantDsnKey4242"
 P_CURL_PW = "CurlPlantPw-61"
 P_GIT_PW = "GitPlantPw-77"
+# The three that once reached the notes, then ten more shapes.
+P_AUTH_TOKEN = "9c1e4b7a2f8d3e6c0b5a9f2e7d4c1b8a3f6e0d9c"  # `Authorization: Token <40 hex>`
+P_PASS_SHORT = "Qx7pL"  # `pass=Qx7pL` in a run log
+P_BARE_LOWER = "mqtwzoxkvbrhe"  # an innocently named variable's value, printed on its own
+P_APIKEY_HDR = "k-9f8e7d6c5b4a"
+P_NEGOTIATE = "YIIBhwYGKwYBBQUCoIIBezCC"
+P_JSON_AUTH = "0a1b2c3d4e5f6a7b8c9d"
+P_COOKIE = "zz9QpSessionPlant"
+P_FRAGMENT = "tok-Plant-frag-771"
+P_JSON_ESC = 'Mx"9\\q-plant'
+P_PCT = "P@ss-w0rd!plant"
+P_SHORT2 = "Tz4!w"
+P_BARE_MIXED = "Rv8kPq2"
+P_PW_SHORT = "Hq3z"
+P_PCT_SIG = "Kd9/Wq+Zr=plant"
 
 
 def everything_that_left(node: Path, tmp_path: Path, server: S3Server, bucket: str) -> list[str]:
@@ -566,10 +582,18 @@ def test_planted_secrets_leave_the_node_nowhere(
         NOTIFY_URL=f"https://hooks.slack.com/services/T0PLANT1/B0PLANT2/{P_HOOK}",
         METRICS_URL=f"https://metrics.example/ingest?project=draftline&api_key={P_API_KEY}",
         SENTRY_DSN=f"https://{P_DSN_KEY}@o1.ingest.example/42",
+        RUN_LABEL=P_BARE_LOWER,
+        SMTP_PASSWORD=P_JSON_ESC,
+        BROKER_URL=f"amqp://worker:{urllib.parse.quote(P_PCT, safe='')}@mq.internal/vhost",
+        PGPASSWORD=P_SHORT2,
+        EXTRA_ARG=P_BARE_MIXED,
+        UPLOAD_SIG=P_PCT_SIG,
     )
     planted = [
         P_HF, P_SERVICE_CRED, P_SHORT, P_DB_URL_PW, P_ENDPOINT_PW, P_HOOK, P_API_KEY, P_DSN_KEY,
         P_CURL_PW, P_GIT_PW, ACCESS_KEY_ID, SECRET_ACCESS_KEY,
+        P_AUTH_TOKEN, P_PASS_SHORT, P_BARE_LOWER, P_APIKEY_HDR, P_NEGOTIATE, P_JSON_AUTH,
+        P_COOKIE, P_FRAGMENT, P_JSON_ESC, P_PCT, P_SHORT2, P_BARE_MIXED, P_PW_SHORT, P_PCT_SIG,
     ]  # fmt: skip
     mirror = f"https://deploy:{P_GIT_PW}@git.example/draftline.git"
     run(["git", "remote", "add", "mirror", mirror], node, env)
@@ -580,12 +604,19 @@ def test_planted_secrets_leave_the_node_nowhere(
         f"service credential {P_SERVICE_CRED}\nshort password {P_SHORT}\n"
         f"sentry key {P_DSN_KEY}\nhf {P_HF}\naws {ACCESS_KEY_ID} {SECRET_ACCESS_KEY}\n"
         "step 10 loss=1.25 max_new_tokens=2048\n"
+        f"run pass={P_PASS_SHORT} steps=3\n{P_BARE_LOWER}\nlabel {P_BARE_LOWER} done\n"
+        f"GET https://app.example/cb#access_token={P_FRAGMENT}&state=1\n"
+        f"smtp login {json.dumps({'pw': P_JSON_ESC})}\nbroker password {P_PCT}\n"
+        f"pg {P_SHORT2}\nextra {P_BARE_MIXED}\npw: {P_PW_SHORT}\n"
+        f"upload ?s={urllib.parse.quote(P_PCT_SIG, safe='')}\n"
     )
     server_log = node / ".draftline" / "sglang" / "server.out"
     server_log.parent.mkdir(parents=True)
     server_log.write_text(
         f"curl -u sgl:{P_ENDPOINT_PW} http://127.0.0.1:30000/health\n"
         f"curl --user admin:{P_CURL_PW} http://127.0.0.1:30000/flush_cache\n"
+        f"> Authorization: Token {P_AUTH_TOKEN}\n> Authorization: ApiKey {P_APIKEY_HDR}\n"
+        f"> Proxy-Authorization: Negotiate {P_NEGOTIATE}\n> Cookie: sessionid={P_COOKIE}\n"
     )
     (node / "logs" / "runs" / "generate" / "run.json").write_text(
         json.dumps(
@@ -594,6 +625,7 @@ def test_planted_secrets_leave_the_node_nowhere(
                 "hf_token": P_HF,
                 "db_password": P_SHORT,
                 "note": f"api key {P_API_KEY} and {P_SERVICE_CRED}",
+                "headers": {"authorization": f"Token {P_JSON_AUTH}"},
             }
         )
     )
@@ -611,10 +643,11 @@ def test_planted_secrets_leave_the_node_nowhere(
     hits = [
         (secret, form)
         for secret in planted
-        for form in {secret, urllib.parse.quote(secret, safe="")}
+        for form in {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1]}
         for text in [*printed, *left]
-        if form in text
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(form)}(?![A-Za-z0-9])", text)
     ]
+    leaked = {secret for secret, _ in hits}
     print(f"planted {len(planted)} secrets; searched {len(printed) + len(left)} texts; "
-          f"found {len(hits)}")  # fmt: skip
+          f"leaked {len(leaked)}: {sorted(leaked)}")  # fmt: skip
     assert hits == []
