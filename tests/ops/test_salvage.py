@@ -186,16 +186,26 @@ def test_notes_keep_no_secret_of_any_shape(node: Path, env: dict[str, str], tmp_
 def test_dry_run_prints_the_plan_and_changes_nothing(
     node: Path, env: dict[str, str], server: S3Server, bucket: str
 ) -> None:
+    """Every check that writes nothing runs, git's included, and the verdict it would give:
+    here NOT SAFE (exit 1), as nothing is pushed yet and a script is not committed."""
     head = run(["git", "rev-parse", "HEAD"], node, env).stdout
+    (node / "scratch.sh").write_text("echo hi\n")
     done = salvage(node, env, "--dry-run", "--stop-servers")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
     for step in (
         "dvc push --run-cache -r s3",
         "verify that the remote holds every object",
+        "dvc exp push <git remote> --all-commits -r s3",
         "draftline serve stop",
-        "git commit dvc.lock",
+        "git commit dvc.lock, params.yaml",
     ):
         assert step in done.stdout
+    assert "WOULD BE LOST 3 stages/files not intact in s3://" in done.stdout
+    assert "SAFE      git: the salvage commit would be pushed to origin" in done.stdout
+    assert "NOT SAFE  1 untracked files, not saved: scratch.sh" in done.stdout
+    assert "SAFE      experiments: none on this node" in done.stdout
+    assert "dvc.lock" not in done.stdout.split("untracked files")[1]  # salvage commits it
+    assert "VERDICT (dry run, nothing changed): NOT SAFE" in done.stdout
     assert server.keys(bucket) == []
     assert run(["git", "rev-parse", "HEAD"], node, env).stdout == head
     assert not (node / "notes").exists()
@@ -239,10 +249,17 @@ def test_missing_and_corrupted_remote_objects_are_detected(
     assert "data/shards/shard-1.txt (shard@1" in done.stdout
     assert "data/prepared/in-2.txt (prepare" in done.stdout
     assert "VERDICT: NOT SAFE" in done.stdout
+    # Intact in the workspace: the fastest fix puts it back into the cache, not a rerun.
+    assert "fix: `dvc commit -f shard@1`, then `draftline salvage` again" in done.stdout
+    assert "re-run the stage" not in done.stdout
 
     deep = salvage(node, env, "--no-push-git", "--deep")
     assert deep.returncode == 1 and "content MD5" in deep.stdout
     assert "downloaded and hashed" in deep.stdout
+
+    run(["dvc", "commit", "-f", "shard@1"], node, env)
+    fixed = salvage(node, env, "--no-push-git")
+    assert "data/shards/shard-1.txt (shard@1" not in fixed.stdout.split("VERDICT")[0]
 
 
 def test_object_lost_from_a_folder_output_is_repaired(
@@ -473,7 +490,8 @@ def test_three_cases_safe_would_be_lost_and_never_here(
 
     where = f"s3://{bucket}/dvc"
     before = salvage(here, env, "--dry-run")
-    assert before.returncode == 0, before.stdout + before.stderr
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "VERDICT (dry run, nothing changed): NOT SAFE" in before.stdout
     lines = before.stdout.splitlines()
     assert f"WOULD BE LOST 1 stages/files not intact in {where}: prepare (" in before.stdout
     assert any(
