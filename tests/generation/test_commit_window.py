@@ -22,6 +22,8 @@ import yaml
 from helpers.embedded_run import BIN, ENV
 from helpers.generate_helpers import build_random_target, make_workdir
 
+from draftline.ops.salvage.node_checks import partial_journals
+
 KILL_HOOK = Path(__file__).resolve().parents[1] / "helpers/kill_hook"
 PHASES = ["journaled", "table", "recorded", "dvc-save", "dvc-commit"]
 DVC_YAML = """\
@@ -80,6 +82,10 @@ def test_kill_9_at_every_phase_boundary_regenerates_no_turn(tmp_path, model_dir)
         done = repro(repo, "generate@0", kill_at=phase)
         assert done.returncode == -signal.SIGKILL, f"{phase}: {done.stdout}\n{done.stderr}"
         generated[phase] = journal_turns(repo, 0) - before
+        if phase == "recorded":  # finished, not recorded: salvage names the seconds-long fix
+            fixes = [f.fix for f in partial_journals(repo, set())]
+            assert fixes == ["`dvc commit -f generate@0` (seconds, nothing generated), then "
+                             "`draftline salvage` again"]  # fmt: skip
     done = repro(repo, "generate@0")
     assert done.returncode == 0, done.stdout + done.stderr
     run_log = json.loads((repo / "logs/runs/generate/shard-0.json").read_text())

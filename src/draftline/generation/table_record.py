@@ -99,3 +99,21 @@ def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
     return record.get("identity") != identity.as_dict() or (
         record.get("curated_sha256") != _digest(paths.curated)
     )
+
+
+def table_of_journal(paths: ShardPaths) -> bool:
+    """Whether the table in place is the one the shard's journal, as it is now, wrote from the
+    curated shard in place: finished work that only waits for DVC to record it."""
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and paths.output.is_file()
+        and paths.curated.is_file()
+        and paths.journal.is_file()
+        and record.get("journal_bytes") == paths.journal.stat().st_size
+        and record.get("table_sha256") == _digest(paths.output)
+        and record.get("curated_sha256") == _digest(paths.curated)
+    )
