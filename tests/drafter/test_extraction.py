@@ -285,3 +285,17 @@ def test_stage_refuses_data_that_did_not_pass_validation(shards, tmp_path):
     with pytest.raises(SystemExit, match="dvc repro validate"):
         main(argv)
     assert not (workdir / "data/extracted").exists()
+
+
+def test_packs_of_other_weights_are_redone_not_resumed(shards, tmp_path, model):
+    """Same folder name (`model_ref`), other weights (`weights_id`): no pack is skipped."""
+    from dataclasses import replace
+
+    out = tmp_path / "packs"
+    before = replace(settings(), weights_id="sha256:aaaa")
+    first = extract(shards, out, before, model_loader=lambda: model, progress=False)
+    again = extract(shards, out, before, model_loader=lambda: model, progress=False)
+    assert again.packs_skipped == len(pack_files(out)) > 0
+    after = replace(settings(), weights_id="sha256:bbbb")
+    changed = extract(shards, out, after, model_loader=lambda: model, progress=False)
+    assert changed.packs_skipped == 0 and first.packs_skipped == 0

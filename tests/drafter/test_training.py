@@ -356,3 +356,18 @@ def test_rerun_after_the_last_checkpoint_rewrites_plots_and_metrics(workdir, sin
     assert after["tokens_this_run"] == 0
     assert after["tokens_per_s"] == before["tokens_per_s"] > 0
     assert after["final_loss"] == before["final_loss"]
+
+
+def test_a_checkpoint_of_other_weights_in_the_same_folder_is_not_resumed() -> None:
+    """The run's fingerprint names `model.target_id`: same path, other weights, other run."""
+    from types import SimpleNamespace
+
+    from draftline.drafter.training import run_fingerprint
+
+    hp = Hyperparameters.from_params(DRAFTER)
+    data = SimpleNamespace(fingerprint="index-sha")
+    model = {"path": "models/tiny-target", "revision": None, "target_layer_ids": [1]}
+    before = run_fingerprint({**model, "target_id": "sha256:aaaa"}, hp, data)  # type: ignore[arg-type]
+    after = run_fingerprint({**model, "target_id": "sha256:bbbb"}, hp, data)  # type: ignore[arg-type]
+    assert before != after
+    assert before == run_fingerprint({**model, "target_id": "sha256:aaaa"}, hp, data)  # type: ignore[arg-type]

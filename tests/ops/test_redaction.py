@@ -172,3 +172,44 @@ def test_unknown_variables_are_secrets_unless_plainly_not() -> None:
 )
 def test_new_secret_shapes(text: str, redacted: str) -> None:
     assert redaction.redact_text(text, []) == redacted
+
+
+def test_a_lowercase_value_of_an_innocent_name_is_a_secret_as_a_whole_word() -> None:
+    """A plain lowercase value proves nothing: scrubbed where it stands alone, never inside
+    another word; setting words (`standard`) and short values stay."""
+    env = {"RUN_LABEL": "mqtwzoxkvbrhe", "AWS_RETRY_MODE": "standard", "STAGE": "dev"}
+    secrets = redaction.secret_values(env)
+    assert "mqtwzoxkvbrhe" in secrets and "standard" not in secrets and "dev" not in secrets
+    text = "mqtwzoxkvbrhe\nlabel=mqtwzoxkvbrhe; mode standard; xmqtwzoxkvbrhes stays"
+    assert redaction.redact_text(text, secrets) == (
+        "***\nlabel=***; mode standard; xmqtwzoxkvbrhes stays"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        (f"> Authorization: Token {'3f9a' * 10}", "> Authorization: Token ***"),
+        ("run pass=Qx7pL steps=3", "run pass=*** steps=3"),
+        ("Authorization: ApiKey k-9f8e7d6c", "Authorization: ApiKey ***"),
+        ("Proxy-Authorization: Negotiate YIIBhwYGKwYBBQUC", "Proxy-Authorization: Negotiate ***"),
+        ('{"authorization": "Token 0a1b2c3d4e"}', '{"authorization": "Token ***"}'),
+        ("authorization=Zm9vOmJhcg==", "authorization=***"),
+        ("Cookie: sessionid=zz9Qp; csrftoken=abc", "Cookie: ***"),
+        ("GET /cb#access_token=tok-123abc&x=1", "GET /cb#access_token=***&x=1"),
+        ("pw: Hq3z", "pw: ***"),
+        ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30", "Authorization: Bearer ***"),
+        ("bypass=true compass=north", "bypass=true compass=north"),
+    ],
+)
+def test_header_and_short_password_shapes(text: str, redacted: str) -> None:
+    assert redaction.redact_text(text, []) == redacted
+
+
+def test_a_json_value_under_a_secret_key_goes_whole() -> None:
+    data = {"headers": {"authorization": "Token 0a1b2c3d4e5f"}, "hf_token": "abc",
+            "tokenizer": "Qwen/Qwen3-8B", "max_new_tokens": 64, "db_password": ""}  # fmt: skip
+    assert redaction.redact_data(data, []) == {
+        "headers": {"authorization": "***"}, "hf_token": "***", "tokenizer": "Qwen/Qwen3-8B",
+        "max_new_tokens": 64, "db_password": "",
+    }  # fmt: skip

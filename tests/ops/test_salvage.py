@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,16 +186,26 @@ def test_notes_keep_no_secret_of_any_shape(node: Path, env: dict[str, str], tmp_
 def test_dry_run_prints_the_plan_and_changes_nothing(
     node: Path, env: dict[str, str], server: S3Server, bucket: str
 ) -> None:
+    """Every check that writes nothing runs, git's included, and the verdict it would give:
+    here NOT SAFE (exit 1), as nothing is pushed yet and a script is not committed."""
     head = run(["git", "rev-parse", "HEAD"], node, env).stdout
+    (node / "scratch.sh").write_text("echo hi\n")
     done = salvage(node, env, "--dry-run", "--stop-servers")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
     for step in (
         "dvc push --run-cache -r s3",
         "verify that the remote holds every object",
+        "dvc exp push <git remote> --all-commits -r s3",
         "draftline serve stop",
-        "git commit dvc.lock",
+        "git commit dvc.lock, params.yaml",
     ):
         assert step in done.stdout
+    assert "WOULD BE LOST 3 stages/files not intact in s3://" in done.stdout
+    assert "SAFE      git: the salvage commit would be pushed to origin" in done.stdout
+    assert "NOT SAFE  1 untracked files, not saved: scratch.sh" in done.stdout
+    assert "SAFE      experiments: none on this node" in done.stdout
+    assert "dvc.lock" not in done.stdout.split("untracked files")[1]  # salvage commits it
+    assert "VERDICT (dry run, nothing changed): NOT SAFE" in done.stdout
     assert server.keys(bucket) == []
     assert run(["git", "rev-parse", "HEAD"], node, env).stdout == head
     assert not (node / "notes").exists()
@@ -238,10 +249,17 @@ def test_missing_and_corrupted_remote_objects_are_detected(
     assert "data/shards/shard-1.txt (shard@1" in done.stdout
     assert "data/prepared/in-2.txt (prepare" in done.stdout
     assert "VERDICT: NOT SAFE" in done.stdout
+    # Intact in the workspace: the fastest fix puts it back into the cache, not a rerun.
+    assert "fix: `dvc commit -f shard@1`, then `draftline salvage` again" in done.stdout
+    assert "re-run the stage" not in done.stdout
 
     deep = salvage(node, env, "--no-push-git", "--deep")
     assert deep.returncode == 1 and "content MD5" in deep.stdout
     assert "downloaded and hashed" in deep.stdout
+
+    run(["dvc", "commit", "-f", "shard@1"], node, env)
+    fixed = salvage(node, env, "--no-push-git")
+    assert "data/shards/shard-1.txt (shard@1" not in fixed.stdout.split("VERDICT")[0]
 
 
 def test_object_lost_from_a_folder_output_is_repaired(
@@ -472,7 +490,8 @@ def test_three_cases_safe_would_be_lost_and_never_here(
 
     where = f"s3://{bucket}/dvc"
     before = salvage(here, env, "--dry-run")
-    assert before.returncode == 0, before.stdout + before.stderr
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "VERDICT (dry run, nothing changed): NOT SAFE" in before.stdout
     lines = before.stdout.splitlines()
     assert f"WOULD BE LOST 1 stages/files not intact in {where}: prepare (" in before.stdout
     assert any(
@@ -528,6 +547,21 @@ P_API_KEY = "ak-Plant-3301"
 P_DSN_KEY = "f00dPlantDsnKey4242"
 P_CURL_PW = "CurlPlantPw-61"
 P_GIT_PW = "GitPlantPw-77"
+# The three that once reached the notes, then ten more shapes.
+P_AUTH_TOKEN = "9c1e4b7a2f8d3e6c0b5a9f2e7d4c1b8a3f6e0d9c"  # `Authorization: Token <40 hex>`
+P_PASS_SHORT = "Qx7pL"  # `pass=Qx7pL` in a run log
+P_BARE_LOWER = "mqtwzoxkvbrhe"  # an innocently named variable's value, printed on its own
+P_APIKEY_HDR = "k-9f8e7d6c5b4a"
+P_NEGOTIATE = "YIIBhwYGKwYBBQUCoIIBezCC"
+P_JSON_AUTH = "0a1b2c3d4e5f6a7b8c9d"
+P_COOKIE = "zz9QpSessionPlant"
+P_FRAGMENT = "tok-Plant-frag-771"
+P_JSON_ESC = 'Mx"9\\q-plant'
+P_PCT = "P@ss-w0rd!plant"
+P_SHORT2 = "Tz4!w"
+P_BARE_MIXED = "Rv8kPq2"
+P_PW_SHORT = "Hq3z"
+P_PCT_SIG = "Kd9/Wq+Zr=plant"
 
 
 def everything_that_left(node: Path, tmp_path: Path, server: S3Server, bucket: str) -> list[str]:
@@ -566,10 +600,18 @@ def test_planted_secrets_leave_the_node_nowhere(
         NOTIFY_URL=f"https://hooks.slack.com/services/T0PLANT1/B0PLANT2/{P_HOOK}",
         METRICS_URL=f"https://metrics.example/ingest?project=draftline&api_key={P_API_KEY}",
         SENTRY_DSN=f"https://{P_DSN_KEY}@o1.ingest.example/42",
+        RUN_LABEL=P_BARE_LOWER,
+        SMTP_PASSWORD=P_JSON_ESC,
+        BROKER_URL=f"amqp://worker:{urllib.parse.quote(P_PCT, safe='')}@mq.internal/vhost",
+        PGPASSWORD=P_SHORT2,
+        EXTRA_ARG=P_BARE_MIXED,
+        UPLOAD_SIG=P_PCT_SIG,
     )
     planted = [
         P_HF, P_SERVICE_CRED, P_SHORT, P_DB_URL_PW, P_ENDPOINT_PW, P_HOOK, P_API_KEY, P_DSN_KEY,
         P_CURL_PW, P_GIT_PW, ACCESS_KEY_ID, SECRET_ACCESS_KEY,
+        P_AUTH_TOKEN, P_PASS_SHORT, P_BARE_LOWER, P_APIKEY_HDR, P_NEGOTIATE, P_JSON_AUTH,
+        P_COOKIE, P_FRAGMENT, P_JSON_ESC, P_PCT, P_SHORT2, P_BARE_MIXED, P_PW_SHORT, P_PCT_SIG,
     ]  # fmt: skip
     mirror = f"https://deploy:{P_GIT_PW}@git.example/draftline.git"
     run(["git", "remote", "add", "mirror", mirror], node, env)
@@ -580,12 +622,19 @@ def test_planted_secrets_leave_the_node_nowhere(
         f"service credential {P_SERVICE_CRED}\nshort password {P_SHORT}\n"
         f"sentry key {P_DSN_KEY}\nhf {P_HF}\naws {ACCESS_KEY_ID} {SECRET_ACCESS_KEY}\n"
         "step 10 loss=1.25 max_new_tokens=2048\n"
+        f"run pass={P_PASS_SHORT} steps=3\n{P_BARE_LOWER}\nlabel {P_BARE_LOWER} done\n"
+        f"GET https://app.example/cb#access_token={P_FRAGMENT}&state=1\n"
+        f"smtp login {json.dumps({'pw': P_JSON_ESC})}\nbroker password {P_PCT}\n"
+        f"pg {P_SHORT2}\nextra {P_BARE_MIXED}\npw: {P_PW_SHORT}\n"
+        f"upload ?s={urllib.parse.quote(P_PCT_SIG, safe='')}\n"
     )
     server_log = node / ".draftline" / "sglang" / "server.out"
     server_log.parent.mkdir(parents=True)
     server_log.write_text(
         f"curl -u sgl:{P_ENDPOINT_PW} http://127.0.0.1:30000/health\n"
         f"curl --user admin:{P_CURL_PW} http://127.0.0.1:30000/flush_cache\n"
+        f"> Authorization: Token {P_AUTH_TOKEN}\n> Authorization: ApiKey {P_APIKEY_HDR}\n"
+        f"> Proxy-Authorization: Negotiate {P_NEGOTIATE}\n> Cookie: sessionid={P_COOKIE}\n"
     )
     (node / "logs" / "runs" / "generate" / "run.json").write_text(
         json.dumps(
@@ -594,6 +643,7 @@ def test_planted_secrets_leave_the_node_nowhere(
                 "hf_token": P_HF,
                 "db_password": P_SHORT,
                 "note": f"api key {P_API_KEY} and {P_SERVICE_CRED}",
+                "headers": {"authorization": f"Token {P_JSON_AUTH}"},
             }
         )
     )
@@ -611,10 +661,11 @@ def test_planted_secrets_leave_the_node_nowhere(
     hits = [
         (secret, form)
         for secret in planted
-        for form in {secret, urllib.parse.quote(secret, safe="")}
+        for form in {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1]}
         for text in [*printed, *left]
-        if form in text
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(form)}(?![A-Za-z0-9])", text)
     ]
+    leaked = {secret for secret, _ in hits}
     print(f"planted {len(planted)} secrets; searched {len(printed) + len(left)} texts; "
-          f"found {len(hits)}")  # fmt: skip
+          f"leaked {len(leaked)}: {sorted(leaked)}")  # fmt: skip
     assert hits == []

@@ -1,9 +1,11 @@
 """Save everything before this node shuts down, and say whether it is safe to.
 
 Snapshots the node into notes/salvage/, gathers logs and metrics, runs `dvc push --run-cache`,
-verifies that the remote holds every object dvc.lock names, commits dvc.lock and the notes
-(and pushes git), then prints what is SAFE and what is NOT SAFE. Exit status 1 when anything
-is not safe. `--dry-run` prints the plan and the checks that need no network.
+verifies that the remote holds every object dvc.lock names, pushes every experiment (`dvc exp
+push`: refs and outputs), commits dvc.lock with its params.yaml and the notes (and pushes git),
+then prints what is SAFE and what is NOT SAFE. Exit status 1 when anything is not safe.
+`--dry-run` prints the plan, runs every check that writes nothing (remote, experiments, git)
+and gives the verdict it would (exit status 1 when NOT SAFE).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from draftline.ops.salvage import checklist as salvage
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote", "-r", help="DVC remote to push to (default: core.remote, s3)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and the verdict of every check that writes nothing",
+    )
     parser.add_argument(
         "--deep",
         action="store_true",

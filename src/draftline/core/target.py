@@ -18,6 +18,41 @@ def model_ref(model: dict[str, Any]) -> str:
     return f"{model['path']}@{rev}" if rev else str(model["path"])
 
 
+def weights_id(model: dict[str, Any]) -> str | None:
+    """The weights the engine loads, as generation journals are keyed on, computed now.
+
+    A local folder: its `target_id` (a hash of its files), so a changed tensor is another
+    target even in the same folder. A hub id pinned to a commit: the id and commit. A hub id
+    unpinned (or at a branch or tag): the commit the local Hugging Face cache resolves it to
+    (what an offline load reads), None when the cache has no such ref: then nothing can tell
+    today's weights from yesterday's.
+    """
+    import re
+
+    from draftline.runtime.resolvers import target_id
+
+    path, revision = str(model["path"]), model.get("revision")
+    if is_local(path):
+        return target_id(path)
+    if revision and re.fullmatch(r"[0-9a-f]{40}", str(revision)):
+        return f"hub:{path}@{revision}"
+    commit = cached_commit(path, str(revision or "main"))
+    return f"hub:{path}@{commit}" if commit else None
+
+
+def cached_commit(repo_id: str, ref: str) -> str | None:
+    """The commit the local Hugging Face cache resolves `ref` of model `repo_id` to."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.file_download import repo_folder_name
+
+    refs = Path(HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
+    try:
+        commit = (refs / ref).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return commit or None
+
+
 def is_local(path: str) -> bool:
     """Whether model.path names a folder here rather than a hub id (`org/name`): absolute or
     ./~ paths, paths that exist, more than two parts, or a first part that is a folder here

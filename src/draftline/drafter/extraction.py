@@ -47,6 +47,9 @@ class ExtractSettings:
     hidden_size: int
     pack_tokens: int
     tokens_per_batch: int
+    # The weights the features come from (`core.target.weights_id`): a pack of other weights
+    # in the same folder is redone, never resumed.
+    weights_id: str = ""
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
@@ -128,6 +131,7 @@ def fingerprint(pack: PackPlan, settings: ExtractSettings) -> str:
         "max_length": settings.max_length,
         "target_layer_ids": settings.target_layer_ids if settings.features == "offline" else None,
         "model": settings.model_ref,
+        "weights": settings.weights_id if settings.features == "offline" else None,
         "sequences": [[s.id, s.num_tokens] for s in pack.sequences],
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()

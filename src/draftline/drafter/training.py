@@ -129,8 +129,10 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Any:
 
 
 def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedData) -> str:
-    """What a checkpoint belongs to: a changed param or dataset never resumes a stale one."""
-    keys = {k: model.get(k) for k in ("path", "revision", "target_layer_ids", "mask_token_id")}
+    """What a checkpoint belongs to: a changed param, dataset or target (`target_id`: other
+    weights in the same folder, whose features online training computes) never resumes it."""
+    names = ("path", "revision", "target_id", "target_layer_ids", "mask_token_id")
+    keys = {k: model.get(k) for k in names}
     text = json.dumps(
         {"model": keys, "hp": hp.identity(), "data": data.fingerprint}, sort_keys=True
     )

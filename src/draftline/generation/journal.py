@@ -1,11 +1,13 @@
 """Append-only journal of finished samples, so a killed shard resumes where it stopped.
 
-One JSON object per line; the first line is a header with the identity of the run (model,
-sampling, template kwargs). Every append is flushed and fsynced before the call returns, so a
-sample reported finished survives `kill -9` and a node losing power. A torn last line (the
-process died mid-write) is cut off when the journal is opened again. The journal lives under
-`.draftline/journal/`, never inside a DVC output, and is removed once the shard's output is in
-place.
+One JSON object per line; the first line is a header with the identity of the run (what
+decides the tokens: target id, engine, template, sampling). Every append is flushed and fsynced
+before the call returns, so a sample reported finished survives `kill -9` and a node losing
+power. A torn last line (the process died mid-write) is cut off when the journal is opened
+again. The journal lives under `.draftline/journal/`, never inside a DVC output. It outlives the
+shard's table: it is removed only once DVC has recorded that table (`release`), so a kill between
+the table's rename and DVC's record costs no turn. A journal of another identity is never
+resumed: it is moved, whole, into a folder named after it (`<journal>.set-aside-<hash>/`).
 
 One process appends to a journal at a time: `lock` holds `<journal>.lock` (an `flock`, which
 the kernel releases when the process ends, `kill -9` included). A generate stage working ahead
@@ -15,6 +17,7 @@ on the next shards takes theirs, and skips a shard another run holds.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,14 +61,13 @@ class Journal:
     def open(self) -> dict[str, Result]:
         """Read what a previous run finished (latest record per id) and open for appending.
 
-        A journal written by a run with another identity (other model or sampling) is moved
-        aside, never mixed in.
+        A journal written by a run with another identity (other target, engine, template or
+        sampling) is set aside (`discarded` names where), never mixed in.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
         records, good_bytes, header = self._read()
         if header is not None and header.get("identity") != self.identity:
-            self.discarded = self.path.with_suffix(".stale.jsonl")
-            os.replace(self.path, self.discarded)
+            self.discarded = self._set_aside(header.get("identity"))
             records, good_bytes, header = {}, 0, None
             self.wall_s = 0.0
         self._file = open(self.path, "ab")  # noqa: SIM115 - kept open across appends
@@ -98,6 +100,19 @@ class Journal:
         if self._lock is not None:
             self._lock.close()  # releases the flock
             self._lock = None
+
+    def _set_aside(self, identity: Any) -> Path:
+        """Move this journal into `<journal>.set-aside-<hash of its identity>/`, kept for
+        inspection (a second one of the same identity gets a numbered name there)."""
+        short = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        folder = self.path.with_name(f"{self.path.name}.set-aside-{short[:12]}")
+        folder.mkdir(exist_ok=True)
+        dest, n = folder / self.path.name, 0
+        while dest.exists():
+            n += 1
+            dest = folder / f"{self.path.stem}.{n}{self.path.suffix}"
+        os.replace(self.path, dest)
+        return dest
 
     def remove(self) -> None:
         if self._file is not None:

@@ -7,8 +7,11 @@ them. The scheduler (`draftline.generation.schedule`) keeps the engine full: a c
 next turn is submitted the moment its last one is journaled. Every finished turn goes to the
 journal first, so a rerun after any kill generates only what is missing, mid-conversation
 included; the shard's table is written once, complete and sorted by id, under a temporary name
-and renamed into place. Failed conversations are kept as `error` rows; the shard fails when
-their share passes `generate.max_error_share` (a failed turn is generated again on the next run).
+and renamed into place. The journal stays after that: DVC deletes a table it has not recorded
+before it reruns the stage, so the journal is what rebuilds it (with no engine call) until
+`table_record.release_recorded` finds the table recorded by DVC. Failed conversations are kept
+as `error` rows; the shard fails when their share passes `generate.max_error_share` (a failed
+turn is generated again on the next run).
 
 Working ahead (`ahead`): the conversations of the following shards join the same stream, so the
 end of this shard does not leave the engine idle; their results go to their own journals (never
@@ -18,8 +21,6 @@ is still missing: their tables are the same bytes as if they had run alone. Know
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from draftline.generation.engines.base import Engine, NoResult, Request, Result,
 from draftline.generation.guard import Guard
 from draftline.generation.journal import Journal
 from draftline.generation.schedule import Scheduler
+from draftline.generation.table_record import mark_current
 from draftline.generation.turns import Conversation, conversation_row, split_key, turn_row
 from draftline.runtime import atomic
 
@@ -87,7 +89,7 @@ class ShardPaths:
 class Identity:
     """What decides a sample's tokens; a journal of another identity is not resumed from."""
 
-    model: str
+    model: str  # path@revision, a label only: the same weights in another folder resume
     template_kwargs: dict[str, Any]
     sampling: Sampling
     # The template itself, so fixing a broken one never resumes the samples it produced.
@@ -96,10 +98,15 @@ class Identity:
     thinking_share: float = 1.0
     # Which assistant turns the target writes: "all" or "last" (`generate.regenerate_turns`).
     regenerate_turns: str = "all"
+    # The weights (`core.target.weights_id`: a hash of the folder's files, or the hub commit),
+    # and the engine with what it computes (`Engine.identity()`, served settings included).
+    target_id: str = ""
+    engine: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model,
+            "target_id": self.target_id,
+            "engine": self.engine,
             "chat_template_kwargs": self.template_kwargs,
             "chat_template_sha256": self.chat_template_sha256,
             "sampling": self.sampling.as_dict(),
@@ -230,8 +237,8 @@ def _open_shard(
         raise
     if journal.discarded:
         print(
-            f"{paths.name}: journal of another model, chat template or sampling moved to "
-            f"{journal.discarded}"
+            f"{paths.name}: journal of another identity (weights, engine, chat template or "
+            f"sampling) set aside, not resumed: {journal.discarded}"
         )
     resumed_turns = 0
     for conversation_id, turns in journaled.items():
@@ -406,61 +413,14 @@ def run_shard(
             **(extra_metrics or {}),
             "engine_identity": labels["engine"],
             "model": identity.model,
+            "target_id": identity.target_id,
+            "journal_set_aside": str(own.journal.discarded) if own.journal.discarded else None,
         }
     )
     atomic.write_json(paths.run_log, metrics)
     mark_current(paths, identity)
-    own.journal.remove()  # the output is in place: nothing left to resume
+    # The journal stays: until DVC records the table, a kill makes DVC delete it (see top).
     return metrics
-
-
-def _digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _marker(paths: ShardPaths) -> Path:
-    return paths.journal.with_suffix(".done.json")
-
-
-def mark_current(paths: ShardPaths, identity: Identity) -> None:
-    """Record what the table now in place was generated from (working state beside the
-    journal), so a stage working ahead can tell a current table from one left by another run."""
-    atomic.write_json(
-        _marker(paths),
-        {
-            "identity": identity.as_dict(),
-            "curated_sha256": _digest(paths.curated),
-            "table_bytes": paths.output.stat().st_size,
-            "table_sha256": _digest(paths.output),
-        },
-    )
-
-
-def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
-    """Whether a shard is worth working ahead on: it has no table, or one this draftline wrote
-    from another identity or another curated shard (so its stage will run again). A table
-    without a record (an older draftline's, or checked out by DVC) is taken as current."""
-    if not paths.curated.exists():
-        return False  # curate has not written it: nothing to generate yet
-    if not paths.output.exists():
-        return True
-    try:
-        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if (
-        not isinstance(record, dict)
-        or record.get("table_bytes") != paths.output.stat().st_size
-        or record.get("table_sha256") != _digest(paths.output)
-    ):
-        return False  # not the table the record describes: nothing known about it
-    return record.get("identity") != identity.as_dict() or (
-        record.get("curated_sha256") != _digest(paths.curated)
-    )
 
 
 def shard_metrics(

@@ -17,10 +17,14 @@ which knows
   curl `-u`/`--user` flag, `password=...` pairs of a DSN; each also percent-encoded and
   JSON-escaped, as logs print them;
 - the shapes of secrets whatever their source (`SECRET_PATTERNS`): tokens of known services,
-  bearer headers, `?api_key=` values, webhook paths, random-looking strings.
+  `Authorization`/`Cookie` header values of any scheme, `pass=`/`pw:` values however short,
+  `?api_key=` (and `#access_token=`) values, webhook paths, random-looking strings.
 
-A short value (under `MIN_FREE_LEN` characters) is scrubbed only where it stands alone, not
-inside a longer word, so that a 4-character password does not eat every word containing it.
+A variable not known safe is a secret when its value is long enough (`MIN_UNNAMED_LEN`) and not
+a number, a path or a common setting word (`PLAIN_VALUES`): a lowercase word is no proof of
+innocence. A short value (under `MIN_FREE_LEN` characters) or a lowercase word is scrubbed only
+where it stands alone, not inside a longer word, so that a 4-character password does not eat
+every word containing it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,15 @@ HARMLESS_NAMES = frozenset(
 )
 MIN_FREE_LEN = 6  # shorter values are scrubbed only as whole words
 MIN_UNNAMED_LEN = 6  # a value whose name says nothing, shorter than this, is no secret
+# Setting words an innocently named variable holds (`AWS_RETRY_MODE=standard`): no secret.
+PLAIN_VALUES = frozenset(
+    {
+        "true", "false", "yes", "no", "none", "null", "auto", "always", "never", "enabled",
+        "disabled", "default", "standard", "legacy", "adaptive", "interactive",
+        "noninteractive", "production", "development", "staging", "debug", "info", "warning",
+        "error", "critical", "python", "python3", "bash", "linux", "vscode", "xterm",
+    }
+)  # fmt: skip
 
 _STOP = "\\s\"'<>"  # characters that end a URL in free text
 # A scheme starts after no scheme character and is short: a long run of letters is read once.
@@ -71,6 +84,12 @@ SECRET_PAIR = re.compile(  # `password=...` in a DSN or an option string; never 
     r"(?i)\b[\w.-]*(?:password|passwd|pwd|pass|secret|token|key|auth|cred)\w*\s*=\s*"
     r"['\"]?([^\s'\",;&/][^\s'\",;&]*)"
 )
+# A JSON key naming its string value a secret (`hf_token`, `authorization`, `db_password`):
+# the value goes whole, whatever its shape. Ends with the word: `tokenizer` is no secret.
+SECRET_KEY = re.compile(
+    r"(?i)(?:^|[_.-])(?:authorization|auth|cookie|password|passwd|pwd|pass|secret|token"
+    r"|api[_-]?key|access[_-]?key|private[_-]?key|credentials?|cred)$"
+)
 SECRET_QUERY_KEY = re.compile(
     r"(?i)key|token|secret|sig|signature|password|passwd|pwd|pass|auth|cred|session"
 )
@@ -80,7 +99,7 @@ SECRET_QUERY_KEY = re.compile(
 # 40-character AWS secret keys.
 SECRET_PATTERNS = (
     re.compile(
-        rf"(?i)([?&;][\w.-]*(?:key|token|secret|sig|signature|password|passwd|pwd|auth"
+        rf"(?i)([?&;#][\w.-]*(?:key|token|secret|sig|signature|password|passwd|pwd|auth"
         rf"|cred|session)[\w.-]*=)[^&#{_STOP}]+"
     ),
     re.compile(
@@ -92,7 +111,16 @@ SECRET_PATTERNS = (
         r"|private[_-]?key|cred(?:ential)?)(?:[_-]?(?:id|key|value))?[\"']?\s*[:=]\s*[\"']?)"
         r"(?=[^\s\"',;&]*[a-df-z])[^\s\"',;&]{4,}"
     ),
+    # An `Authorization:` header of any scheme (Token, ApiKey, Negotiate, AWS4-HMAC-SHA256,
+    # none): the scheme stays, the rest of the value goes; `Cookie:` values whole.
+    re.compile(
+        r"(?i)(\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:[A-Za-z][\w-]*\s+)?)"
+        r"[^\r\n\"']+"
+    ),
     re.compile(r"(?i)(\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"),
+    re.compile(r"(?i)(\b(?:set-)?cookie[\"']?\s*:\s*[\"']?)[^\r\n\"']+"),
+    # `pass=Qx7pL`, `pw: Hq3z`: a password is short, so no minimum but 3 characters.
+    re.compile(r"(?i)(\b(?:pass|passphrase|pw|pin)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;&]{3,}"),
     re.compile(r"((?:^|\s)(?:-u|--user|--proxy-user)(?:\s+|=)['\"]?[^\s:'\"]+:)[^\s'\"]+"),
     re.compile(r"(?i)((?:^|\s)--password(?:\s+|=))\S+"),
     re.compile(
@@ -192,8 +220,12 @@ def looks_secret(name: str, value: str) -> bool:
         return False
     if is_secret_name(name):
         return True
-    # Numbers, addresses, switches and single plain words (`standard`, `noninteractive`).
-    if len(value) < MIN_UNNAMED_LEN or re.fullmatch(r"[\d\s.,:;/_+=-]*|[a-z]+", value):
+    # Numbers, addresses and setting words (`standard`); any other word may be a secret.
+    if (
+        len(value) < MIN_UNNAMED_LEN
+        or re.fullmatch(r"[\d\s.,:;/_+=-]*", value)
+        or value.lower() in PLAIN_VALUES
+    ):
         return False
     # A list of paths (`/opt/x:/usr/lib`) names places, not secrets.
     return not all(p.startswith(("/", "~")) for p in value.split(os.pathsep) if p)
@@ -250,7 +282,7 @@ def redact_patterns(text: str) -> str:
 def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
     """Scrub known secret values (and their parts), URL user info and secret shapes."""
     for value in secret_values() if secrets is None else secrets:
-        if len(value) >= MIN_FREE_LEN:
+        if len(value) >= MIN_FREE_LEN and not (value.isalpha() and value.islower()):
             text = text.replace(value, REDACTED)
         elif value in text:
             text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", REDACTED, text)
@@ -263,7 +295,12 @@ def redact_data(data: Any, secrets: Iterable[str] | None = None) -> Any:
     if isinstance(data, str):
         return redact_text(data, secrets)
     if isinstance(data, dict):
-        return {redact_text(str(k), secrets): redact_data(v, secrets) for k, v in data.items()}
+        return {
+            redact_text(str(k), secrets): REDACTED
+            if isinstance(v, str) and v and SECRET_KEY.search(str(k))
+            else redact_data(v, secrets)
+            for k, v in data.items()
+        }
     if isinstance(data, (list, tuple)):
         return [redact_data(v, secrets) for v in data]
     return data

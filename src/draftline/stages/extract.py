@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,10 @@ def require_passed_verdict(path: Path) -> dict[str, Any]:
 
 
 def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
-    from draftline.core.target import model_ref
+    from draftline.core.target import model_ref, weights_id
     from draftline.drafter.extraction import ExtractSettings
 
+    offline = p["extract"]["features"] == "offline"
     return ExtractSettings(
         features=str(p["extract"]["features"]),
         max_length=int(p["extract"]["max_length"]),
@@ -65,6 +67,11 @@ def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
         hidden_size=int(p["model"]["hidden_size"]),
         pack_tokens=int(p["extract"]["pack_tokens"]),
         tokens_per_batch=hardware.Execution.of(profile).extract_tokens_per_batch,
+        # Only offline features come from the weights (hashed now, not as params.yaml says);
+        # weights that cannot be identified key packs no later run resumes.
+        weights_id=(weights_id(p["model"]) or f"unidentified:{uuid.uuid4().hex}")
+        if offline
+        else "",
     )
 
 

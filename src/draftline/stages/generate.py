@@ -6,7 +6,9 @@
 
 The engine comes from the hardware profile (`draftline.generation.engines.choose`: `local`
 transformers, or `sglang` over HTTP, started on demand with `generate.autostart: true`).
-A killed run resumes from `.draftline/journal/generate/`.
+A killed run resumes from `.draftline/journal/generate/`; a journal is keyed on what decides the
+tokens (the weights' id computed now, the engine and what it serves, template, sampling) and
+stays until DVC has recorded the table it wrote (each run removes those of recorded tables).
 
 Work-ahead (`hardware.work_ahead_shards`, on in the GPU profiles): a train shard stage with turns
 left streams its shard together with the next N shards of `data.shard_ids` (dvc.yaml's order)
@@ -21,8 +23,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import uuid
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from draftline.core import target
 from draftline.core.loss_mask import special_ids
@@ -35,9 +40,9 @@ from draftline.generation.shards import (
     Identity,
     ShardFailed,
     ShardPaths,
-    needs_generating,
     run_shard,
 )
+from draftline.generation.table_record import needs_generating, release_recorded
 from draftline.quality.checks import thinking_enabled
 from draftline.runtime import disk_space, hardware, params, run_log
 
@@ -118,6 +123,53 @@ def check_space(paths: ShardPaths, p: dict[str, Any], work_ahead: int) -> None:
     )
 
 
+def weights_key(model: dict) -> str:
+    """The target's weights as the journal is keyed on; stops when params.yaml names other
+    weights than the folder holds, and keys an unidentifiable target so nothing resumes."""
+    weights = target.weights_id(model)
+    recorded = model.get("target_id")
+    if weights and recorded and target.is_local(str(model["path"])) and weights != recorded:
+        raise SystemExit(
+            f"generate: model.path {model['path']} holds other weights ({weights}) than "
+            f"params.yaml's model.target_id ({recorded}): run `draftline compose` (with the "
+            "overrides params.yaml names) so DVC reruns what the new weights change"
+        )
+    if weights is None:
+        print(
+            f"generate: model.path {model['path']} is a hub id at no fixed commit and not in the "
+            "local Hugging Face cache, so its weights cannot be identified offline: this run "
+            "resumes no journal (and a later run will not resume this one). Pin model.revision "
+            "to a commit to make a killed run resumable."
+        )
+        return f"unidentified:{uuid.uuid4().hex}"
+    return weights
+
+
+def engine_key(identity: str, profile: dict) -> str:
+    """The engine with what it computes in: a server's identity names its served settings;
+    the local engine's device and precision change its tokens too."""
+    if profile.get("engine", "local") == "local":
+        return f"{identity}:{profile.get('device')}/{profile.get('precision')}"
+    return identity
+
+
+def release_journals(p: dict, lock: Path = Path("dvc.lock")) -> None:
+    """Remove the journals of shards whose tables DVC has recorded (cached): they saved the
+    table through the window between its rename and DVC's record, and have nothing left."""
+    try:
+        stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    except (OSError, yaml.YAMLError):
+        return
+    recorded = {
+        str(out.get("path")): str(out.get("md5"))
+        for entry in stages.values()
+        for out in entry.get("outs") or []
+    }
+    for shard in [None, *((p.get("data") or {}).get("shard_ids") or [])]:
+        paths = shard_paths(shard)
+        release_recorded(paths, recorded.get(paths.output.as_posix()))
+
+
 def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     model, gen = p["model"], p["generate"]
@@ -143,8 +195,13 @@ def run(args: argparse.Namespace) -> int:
         if gen.get("guard", True) and p.get("quality")
         else None
     )
+    weights = weights_key(model)
+    release_journals(p)
+    engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
     identity = Identity(
         model=target.model_ref(model),
+        target_id=weights,
+        engine=engine_key(engine.identity(), profile),
         template_kwargs=dict(model.get("chat_template_kwargs") or {}),
         sampling=sampling,
         chat_template_sha256=hashlib.sha256(
@@ -165,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
         )
         return [shard_paths(s) for s in wanted[1:]]
 
-    engine = make_engine(p, profile, sampling, tokenizer, special.end_of_turn)
     extra = {
         **hardware.describe(profile),
         **params.identity(p),

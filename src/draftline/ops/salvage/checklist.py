@@ -3,9 +3,11 @@
 The checklist, in order: look for work in flight and for a full disk or an unwritable cache,
 snapshot the node, gather logs and stage metrics, `dvc push --run-cache`, verify that the
 remote holds every object `dvc.lock` (and any `.dvc` file) names -- the entries of `.dir`
-manifests included -- and every run-cache entry, optionally stop the servers, commit `dvc.lock`
-and the notes (and push git when a git remote exists), then print what is safe and where and
-what is NOT. Any step that fails becomes a NOT SAFE finding; nothing here raises past `salvage`.
+manifests included -- and every run-cache entry, push every experiment (`dvc exp push`: refs and
+outputs) and verify it, optionally stop the servers, commit `dvc.lock` with its params.yaml
+and the notes (every finding in them) and push git, then print what is safe and where and what
+is NOT. `--dry-run` runs every check that writes nothing and gives the verdict it would.
+Any step that fails becomes a NOT SAFE finding; nothing here raises past `salvage`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from draftline.ops import node_snapshot, redaction, remote
+from draftline.ops.salvage.experiments import check_experiments
 from draftline.ops.salvage.finding import Finding, format_finding
-from draftline.ops.salvage.git_state import commit_and_push, uncommitted
+from draftline.ops.salvage.git_state import commit_and_push, no_git_remote, to_commit, uncommitted
 from draftline.ops.salvage.node_checks import (
     cache_writable,
     disk_space,
@@ -40,6 +43,7 @@ from draftline.ops.salvage.notes import (
     known_secrets,
     write_notes,
 )
+from draftline.ops.salvage.params_state import params_findings
 from draftline.ops.salvage.remote_outputs import (
     Verification,
     dvc_push,
@@ -107,13 +111,15 @@ def plan(opts: Options, info: remote.RemoteInfo | None, notes: Path) -> list[str
         f"dvc push --run-cache -r {info.name if info else '?'}   -> {target}",
         "verify that the remote holds every object of dvc.lock and .dvc files "
         f"(.dir entries included) and the run-cache{' (download and hash)' if opts.deep else ''}",
+        f"dvc exp push <git remote> --all-commits -r {info.name if info else '?'}: every "
+        "experiment's ref and outputs; verify both",
     ]
     if opts.stop_servers:
         steps.append("draftline serve stop")
     if opts.commit:
         steps.append(
-            "git commit dvc.lock, DVC's .gitignore/.dvc files, the cache: false outputs "
-            f"(metrics, plots) of finished stages and {notes}/"
+            "git commit dvc.lock, params.yaml, DVC's .gitignore/.dvc files, the cache: false "
+            f"outputs (metrics, plots) of finished stages and {notes}/"
             + (" and git push" if opts.push_git else "")
         )
     steps.append("report SAFE / NOT SAFE; exit 1 when anything is NOT SAFE")
@@ -157,10 +163,13 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             )
             if now is not None:
                 findings += verification_findings(now, info.url)
-        out("found so far (nothing was changed):")
-        for f in findings:
-            out(redaction.redact_text(format_finding(f), secrets))
-        return 0
+        findings += _experiments(findings, root, info if remote_ok else None, write=False)[0]
+        findings += params_findings(root)
+        if opts.commit and opts.push_git:
+            findings += no_git_remote(root)
+        findings += uncommitted(root, to_commit(root))
+        out("found (nothing was changed):")
+        return _verdict(findings, secrets, out, "VERDICT (dry run, nothing changed):")
 
     snap = _guard(findings, "node snapshot", lambda: node_snapshot.take_snapshot(root)) or {}
     logs = _guard(findings, "gathering logs", lambda: gather_logs(root, notes, secrets)) or []
@@ -186,8 +195,15 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
         if verification is not None:
             findings += verification_findings(verification, info.url)
 
+    found, experiments = _experiments(findings, root, info if remote_ok else None, write=True)
+    findings += found
+
     if opts.stop_servers:
         findings += stop_servers(root)
+    findings += params_findings(root)
+    # Before the notes, so they hold it; what the commit itself carries is not "uncommitted".
+    committing = to_commit(root) if opts.commit else []
+    findings += uncommitted(root, committing)
 
     extra = {
         "logs": logs,
@@ -195,6 +211,7 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
         "journals": journal_progress(root),
         "push_output_tail": push_output[-4000:],
         "verification": _verification_summary(verification),
+        "experiments": experiments,
     }
     wrote = _guard(
         findings,
@@ -207,16 +224,41 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             host = socket.gethostname()
             message = f"salvage: dvc.lock and notes from {host} at {now:%Y-%m-%d %H:%M}Z"
             findings += commit_and_push(root, notes, message, opts.push_git)
-    findings += uncommitted(root)
+    elif committing:
+        findings.append(
+            Finding(
+                False,
+                f"nothing committed (no notes): {', '.join(committing)} stay uncommitted here",
+                "fix the cause above and run `draftline salvage` again",
+            )
+        )
+    return _verdict(findings, secrets, out, "VERDICT:")
 
+
+def _experiments(
+    findings: list[Finding], root: Path, info: remote.RemoteInfo | None, write: bool
+) -> tuple[list[Finding], list[dict[str, Any]]]:
+    where = info.url if info else ""
+    checked = _guard(
+        findings,
+        "saving experiments",
+        lambda: check_experiments(root, info.name if info else None, where, write),
+    )
+    return checked or ([], [])
+
+
+def _verdict(
+    findings: list[Finding], secrets: list[str], out: Callable[[str], None], head: str
+) -> int:
+    """Print every finding and the verdict; 1 when anything is NOT SAFE."""
     for f in findings:
         out(redaction.redact_text(format_finding(f), secrets))
     bad = [f for f in findings if not f.safe]
     out("")
     if bad:
-        out(f"VERDICT: NOT SAFE to shut this node down ({len(bad)} problems above).")
+        out(f"{head} NOT SAFE to shut this node down ({len(bad)} problems above).")
         return 1
-    out("VERDICT: SAFE to shut this node down.")
+    out(f"{head} SAFE to shut this node down.")
     out(f"On the next node: git clone, then `{RESUME_COMMAND}` ({HAZARD}).")
     return 0
 

@@ -1,5 +1,5 @@
-"""Committing and pushing what git must carry (dvc.lock, metrics, notes) and finding what is
-not committed."""
+"""Committing and pushing what git must carry (dvc.lock with the params.yaml it was run with,
+metrics, notes) and finding what is not committed."""
 
 from __future__ import annotations
 
@@ -28,19 +28,26 @@ def git_changes(root: Path) -> list[str]:
 
 
 def _bookkeeping(change: str, uncached: Iterable[str] = ()) -> bool:
-    """DVC's own files (the lock, `.dvc` pointers, the .gitignore files it maintains) and the
-    `cache: false` outputs of finished stages (metrics, plots), which git carries, not DVC."""
+    """DVC's own files (the lock, `.dvc` pointers, the .gitignore files it maintains), the
+    params.yaml the lock was run with (`dvc exp run -S` rewrites it: without it a clone reruns
+    instead of restoring) and the `cache: false` outputs of finished stages (metrics, plots),
+    which git carries, not DVC."""
     path = change[3:].strip().strip('"')
     name = Path(path).name
-    if name in ("dvc.lock", ".gitignore") or name.endswith(".dvc"):
+    if name in ("dvc.lock", ".gitignore") or name.endswith(".dvc") or path == "params.yaml":
         return True
     return any(path == out or path.startswith(out.rstrip("/") + "/") for out in uncached)
 
 
+def to_commit(root: Path) -> list[str]:
+    """The changed files salvage commits (besides its notes)."""
+    uncached = uncached_outputs(root)
+    return [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c, uncached)]
+
+
 def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[Finding]:
     note_path = str(notes.relative_to(root))
-    uncached = uncached_outputs(root)
-    kept = [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c, uncached)]
+    kept = to_commit(root)
     paths = sorted({note_path, *kept})
     # -f for the notes: the copied logs keep their paths (logs/, .draftline/), which the
     # repository's .gitignore ignores, and they must reach the next node all the same.
@@ -97,15 +104,49 @@ def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[F
     return findings + [Finding(True, f"git: {rev} pushed to {target}")]
 
 
-def uncommitted(root: Path) -> list[Finding]:
-    changes = git_changes(root)
-    if not changes:
-        return [Finding(True, "git: no uncommitted changes")]
-    shown = ", ".join(c[3:] for c in changes[:15]) + (" ..." if len(changes) > 15 else "")
+def no_git_remote(root: Path) -> list[Finding]:
+    """For a dry run: where the salvage commit would go."""
+    remotes = _git(root, "remote").stdout.split()
+    if remotes:
+        target = "origin" if "origin" in remotes else remotes[0]
+        return [Finding(True, f"git: the salvage commit would be pushed to {target}")]
     return [
         Finding(
             False,
-            f"{len(changes)} uncommitted or untracked files, not saved: {shown}",
-            "commit and push what you need (scripts, configs, patches), or delete it",
+            "no git remote: the salvage commit would stay on this node",
+            "`git remote add origin URL`, then run `draftline salvage`",
         )
     ]
+
+
+def uncommitted(root: Path, committing: Iterable[str] = ()) -> list[Finding]:
+    """Changes git would not carry off this node, but those salvage commits (`committing`)."""
+    skip = set(committing)
+    changes = [c for c in git_changes(root) if c[3:].strip().strip('"') not in skip]
+    if not changes:
+        return [Finding(True, "git: no uncommitted changes")]
+    tracked = [c[3:] for c in changes if not c.startswith("??")]
+    untracked = [c[3:] for c in changes if c.startswith("??")]
+    findings = []
+    if tracked:  # tracked files are the project's: committing them is the only fix offered
+        findings.append(
+            Finding(
+                False,
+                f"{len(tracked)} changed tracked files, not saved: {_shown(tracked)}",
+                f"`git add {' '.join(tracked[:15])} && git commit && git push`",
+            )
+        )
+    if untracked:
+        findings.append(
+            Finding(
+                False,
+                f"{len(untracked)} untracked files, not saved: {_shown(untracked)}",
+                "commit and push what you need (scripts, configs, patches); ignore or delete "
+                "the rest",
+            )
+        )
+    return findings
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:15]) + (" ..." if len(paths) > 15 else "")

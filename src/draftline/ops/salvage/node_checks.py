@@ -9,6 +9,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from draftline.ops import redaction
@@ -63,6 +64,18 @@ def partial_journals(root: Path, finished: set[str]) -> list[Finding]:
             continue
         # One record per finished turn; the header line names the run, not a turn.
         turns = sum(not line.startswith(b'{"journal"') for line in journal.open("rb"))
+        shard = int(match.group(1))
+        if _table_written(root, shard):  # killed after its table, before DVC recorded it
+            findings.append(
+                Finding(
+                    False,
+                    f"generate@{shard}: its table is complete in the workspace (from "
+                    f"{journal.relative_to(root)}, {turns} turns) but DVC has not recorded it",
+                    f"`dvc commit -f generate@{shard}` (seconds, nothing generated), then "
+                    "`draftline salvage` again",
+                )
+            )
+            continue
         findings.append(
             Finding(
                 False,
@@ -72,6 +85,21 @@ def partial_journals(root: Path, finished: set[str]) -> list[Finding]:
             )
         )
     return findings
+
+
+def _table_written(root: Path, shard: int) -> bool:
+    from draftline.generation.table_record import table_of_journal
+    from draftline.stages.generate import shard_paths
+
+    paths = shard_paths(shard)
+    return table_of_journal(
+        replace(
+            paths,
+            curated=root / paths.curated,
+            output=root / paths.output,
+            journal=root / paths.journal,
+        )
+    )
 
 
 def disk_space(paths: Iterable[Path], min_free: int) -> list[Finding]:

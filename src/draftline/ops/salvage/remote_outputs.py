@@ -47,6 +47,8 @@ class Verification:
     never_here: list[Expected] = field(default_factory=list)
     nowhere: list[Expected] = field(default_factory=list)
     cached: set[str] = field(default_factory=set)  # oids of `missing` the local cache holds
+    # oids of `missing` whose workspace copy is intact (`dvc commit -f` saves them)
+    in_workspace: set[str] = field(default_factory=set)
     corrupted: list[tuple[Expected, str]] = field(default_factory=list)
     runs_checked: int = 0
     runs_missing: list[str] = field(default_factory=list)
@@ -186,14 +188,27 @@ def _dir_entries(
     return out
 
 
-def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verification:
+def lock_outputs(text: str, owner_prefix: str = "") -> list[Expected]:
+    """The outputs a dvc.lock text records (an experiment's, read from its git commit)."""
+    data = yaml.safe_load(text) or {}
+    return [
+        _expected(out, owner_prefix + stage)
+        for stage, entry in (data.get("stages") or {}).items()
+        for out in _outs_of(entry)
+        if out.get("md5")
+    ]
+
+
+def verify_remote(
+    root: Path, remote_name: str, deep: bool = False, outputs: list[Expected] | None = None
+) -> Verification:
     """Check that the remote holds every recorded object with the right content.
 
     Content is checked by the S3 ETag where it is the MD5 of the object (single-part uploads,
     no SSE-KMS: DVC's oid is the same MD5); a multipart ETag by computing it from the local
     copy; else, and always with `deep`, by downloading and hashing. Never by size alone: a
     same-size corruption has the same size. Run-cache entries are compared with the local
-    `.dvc/cache/runs`.
+    `.dvc/cache/runs`. `outputs`: what to check instead of the workspace's dvc.lock.
     """
     from dvc.repo import Repo
 
@@ -204,7 +219,8 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
         listing = _list(fs, odb.path)
         # `cache: false` outputs (metrics, plots) never go to a DVC remote: git carries them.
         in_git = set(uncached_outputs(root))
-        todo = [o for o in recorded_outputs(root) if o.path not in in_git]
+        recorded = recorded_outputs(root) if outputs is None else outputs
+        todo = [o for o in recorded if o.path not in in_git]
         while todo:
             obj = todo.pop()
             result.owners[obj.owner] = result.owners.get(obj.owner, 0) + 1
@@ -218,6 +234,8 @@ def verify_remote(root: Path, remote_name: str, deep: bool = False) -> Verificat
                 (result.missing if here else result.nowhere).append(obj)
                 if _intact(Path(repo.cache.local.oid_to_path(obj.oid)), obj.oid):
                     result.cached.add(obj.oid)
+                elif _intact(root / obj.path, obj.oid):
+                    result.in_workspace.add(obj.oid)
                 continue
             if not here:
                 result.never_here.append(obj)
@@ -375,8 +393,11 @@ def verification_findings(v: Verification, where: str) -> list[Finding]:
     for obj in v.missing[:20]:
         if obj.oid in v.cached:
             where_here, fix = "in its DVC cache", "run `draftline salvage`: it pushes it"
+        elif obj.oid in v.in_workspace:  # seconds: hash it back into the cache, then push
+            where_here = "intact in its workspace, not in its cache"
+            fix = f"`dvc commit -f {obj.owner}`, then `draftline salvage` again (it pushes it)"
         else:
-            where_here = "in its workspace, not intact in its cache"
+            where_here = "in its workspace, not intact there nor in its cache"
             fix = (
                 f"re-run the stage (`dvc repro {obj.owner}`) or `dvc fetch` it from another "
                 "remote, then run `draftline salvage` again"

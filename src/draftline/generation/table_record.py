@@ -1,0 +1,119 @@
+"""What a shard's table was written from, kept beside its journal (working state, not a DVC
+output): a stage working ahead tells a current table from one another run left
+(`needs_generating`), and a journal is removed only once DVC has recorded the table it wrote
+(`release_recorded`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from draftline.generation.journal import Journal
+from draftline.runtime import atomic
+
+if TYPE_CHECKING:
+    from draftline.generation.shards import Identity, ShardPaths
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _md5(path: Path) -> str:
+    """DVC's hash of a file output (`md5` in dvc.lock)."""
+    digest = hashlib.md5()  # noqa: S324 - DVC's content address, not a security hash
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _marker(paths: ShardPaths) -> Path:
+    return paths.journal.with_suffix(".done.json")
+
+
+def mark_current(paths: ShardPaths, identity: Identity) -> None:
+    """Record what the table now in place was generated from (working state beside the
+    journal), so a stage working ahead can tell a current table from one left by another run."""
+    atomic.write_json(
+        _marker(paths),
+        {
+            "identity": identity.as_dict(),
+            "curated_sha256": _digest(paths.curated),
+            "table_bytes": paths.output.stat().st_size,
+            "table_sha256": _digest(paths.output),
+            "table_md5": _md5(paths.output),
+            # The journal the table was built from: grown since, it holds newer work.
+            "journal_bytes": paths.journal.stat().st_size if paths.journal.exists() else None,
+        },
+    )
+
+
+def release_recorded(paths: ShardPaths, recorded_md5: str | None) -> bool:
+    """Remove the shard's journal once the table it wrote is the one DVC recorded
+    (`recorded_md5`, from dvc.lock): DVC has it cached, the journal has nothing left to save.
+    A journal another run holds, or whose table DVC has not recorded, is kept."""
+    if not recorded_md5 or not paths.journal.exists():
+        return False
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if (
+        not isinstance(record, dict)
+        or record.get("table_md5") != recorded_md5
+        or record.get("journal_bytes") != paths.journal.stat().st_size
+    ):
+        return False
+    journal = Journal(paths.journal, {})
+    if not journal.lock(wait=False):
+        return False
+    journal.remove()
+    return True
+
+
+def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
+    """Whether a shard is worth working ahead on: it has no table, or one this draftline wrote
+    from another identity or another curated shard (so its stage will run again). A table
+    without a record (an older draftline's, or checked out by DVC) is taken as current."""
+    if not paths.curated.exists():
+        return False  # curate has not written it: nothing to generate yet
+    if not paths.output.exists():
+        return True
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if (
+        not isinstance(record, dict)
+        or record.get("table_bytes") != paths.output.stat().st_size
+        or record.get("table_sha256") != _digest(paths.output)
+    ):
+        return False  # not the table the record describes: nothing known about it
+    return record.get("identity") != identity.as_dict() or (
+        record.get("curated_sha256") != _digest(paths.curated)
+    )
+
+
+def table_of_journal(paths: ShardPaths) -> bool:
+    """Whether the table in place is the one the shard's journal, as it is now, wrote from the
+    curated shard in place: finished work that only waits for DVC to record it."""
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and paths.output.is_file()
+        and paths.curated.is_file()
+        and paths.journal.is_file()
+        and record.get("journal_bytes") == paths.journal.stat().st_size
+        and record.get("table_sha256") == _digest(paths.output)
+        and record.get("curated_sha256") == _digest(paths.curated)
+    )
