@@ -38,6 +38,15 @@ def _marker(paths: ShardPaths) -> Path:
     return paths.journal.with_suffix(".done.json")
 
 
+def _read_record(paths: ShardPaths) -> dict | None:
+    """The shard's table record, or None when it is missing or unreadable."""
+    try:
+        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def mark_current(paths: ShardPaths, identity: Identity) -> None:
     """Record what the table now in place was generated from (working state beside the
     journal), so a stage working ahead can tell a current table from one left by another run."""
@@ -61,12 +70,9 @@ def release_recorded(paths: ShardPaths, recorded_md5: str | None) -> bool:
     A journal another run holds, or whose table DVC has not recorded, is kept."""
     if not recorded_md5 or not paths.journal.exists():
         return False
-    try:
-        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    record = _read_record(paths)
     if (
-        not isinstance(record, dict)
+        record is None
         or record.get("table_md5") != recorded_md5
         or record.get("journal_bytes") != paths.journal.stat().st_size
     ):
@@ -86,12 +92,9 @@ def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
         return False  # curate has not written it: nothing to generate yet
     if not paths.output.exists():
         return True
-    try:
-        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    record = _read_record(paths)
     if (
-        not isinstance(record, dict)
+        record is None
         or record.get("table_bytes") != paths.output.stat().st_size
         or record.get("table_sha256") != _digest(paths.output)
     ):
@@ -104,12 +107,9 @@ def needs_generating(paths: ShardPaths, identity: Identity) -> bool:
 def table_of_journal(paths: ShardPaths) -> bool:
     """Whether the table in place is the one the shard's journal, as it is now, wrote from the
     curated shard in place: finished work that only waits for DVC to record it."""
-    try:
-        record = json.loads(_marker(paths).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    record = _read_record(paths)
     return (
-        isinstance(record, dict)
+        record is not None
         and paths.output.is_file()
         and paths.curated.is_file()
         and paths.journal.is_file()
