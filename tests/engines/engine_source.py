@@ -62,19 +62,23 @@ def load_module(
     namespace: dict[str, Any] = {}
     body = []
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] == package:
-                real = _import(node.module)
-                for alias in node.names:
-                    bound = alias.asname or alias.name
-                    if real is not None and hasattr(real, alias.name):
-                        namespace[bound] = getattr(real, alias.name)
-                    elif alias.name in standins:
-                        namespace[bound] = standins[alias.name]
-                        used.add(alias.name)
-                    else:
-                        namespace[bound] = Missing(f"{node.module}.{alias.name}")
-                continue
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == package
+        ):
+            real = _import(node.module)
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                if real is not None and hasattr(real, alias.name):
+                    namespace[bound] = getattr(real, alias.name)
+                elif alias.name in standins:
+                    namespace[bound] = standins[alias.name]
+                    used.add(alias.name)
+                else:
+                    namespace[bound] = Missing(f"{node.module}.{alias.name}")
+            continue
         body.append(node)
     tree.body = body
     loaded = types.ModuleType(f"_engine_source.{module}")
