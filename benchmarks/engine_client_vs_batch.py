@@ -11,6 +11,8 @@ curate normalises them) are generated twice per repeat, on the same CPU, in one 
   every conversation's turn k in one call, its prompt holding the batch's own earlier answers
   (built by the same `Conversation`), the same token-id prompts, sampling and per-turn seeds.
 
+A third side, for diagnosis only, sends the batch side's turn-by-turn batches through the vLLM
+client and server alone (no scheduler, journal or table): what the server path costs by itself.
 Output tokens per second of each, and their ratio (goal >= 0.9: the client and scheduler keep
 a real engine as busy as its own batch mode). The two sides alternate `--repeats` times (which
 goes first alternates too); the median ratio is reported. vLLM's CPU attention needs head_dim
@@ -175,19 +177,34 @@ def run_draftline(
     return int(metrics["generated_output_tokens"]), float(metrics["run_wall_s"])
 
 
-def run_batch(llm: Any, rows: list[dict[str, Any]], tokenizer: Any, sampling: Sampling):
-    """Turn by turn: all conversations' turn k in one `generate` call."""
-    from vllm import SamplingParams, TokensPrompt
-
+def turn_by_turn(rows: list[dict[str, Any]], tokenizer: Any, sampling: Sampling, generate):
+    """All conversations' turn k in one `generate(requests) -> [completion ids]` call, then
+    turn k + 1, each prompt holding that side's own earlier answers."""
     special = special_ids(tokenizer, END_OF_TURN)
-    params = completion_params(sampling, special.end_of_turn)
+    stops = completion_params(sampling, special.end_of_turn)["stop_token_ids"]
     todo = conversations(rows, sampling)
     tokens, began = 0, time.perf_counter()
     while todo:
         requests = [c.next_request(tokenizer, special) for c in todo]
         asked = [(c, r) for c, r in zip(todo, requests, strict=True) if r is not None]
+        for (conversation, request), ids in zip(asked, generate([r for _, r in asked]),
+                                                strict=True):  # fmt: skip
+            tokens += len(ids)
+            reason = "stop" if ids and ids[-1] in stops else "length"
+            conversation.results.append(conversation.take(Result(request.id, ids, reason)))
+        todo = [c for c in todo if not c.done()]
+    return tokens, time.perf_counter() - began
+
+
+def run_batch(llm: Any, rows: list[dict[str, Any]], tokenizer: Any, sampling: Sampling):
+    """vLLM's offline batch mode, turn by turn."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = completion_params(sampling, special_ids(tokenizer, END_OF_TURN).end_of_turn)
+
+    def generate(requests: list[Any]) -> list[list[int]]:
         outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_ids) for _, r in asked],
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
             [
                 SamplingParams(
                     max_tokens=r.max_new_tokens or params["max_tokens"],
@@ -198,17 +215,34 @@ def run_batch(llm: Any, rows: list[dict[str, Any]], tokenizer: Any, sampling: Sa
                     skip_special_tokens=False,
                     seed=sampling.request_seed(r.id),
                 )  # fmt: skip
-                for _, r in asked
+                for r in requests
             ],
             use_tqdm=False,
         )
-        for (conversation, request), output in zip(asked, outputs, strict=True):
-            ids = list(output.outputs[0].token_ids)
-            tokens += len(ids)
-            reason = "stop" if ids and ids[-1] in params["stop_token_ids"] else "length"
-            conversation.results.append(conversation.take(Result(request.id, ids, reason)))
-        todo = [c for c in todo if not c.done()]
-    return tokens, time.perf_counter() - began
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    return turn_by_turn(rows, tokenizer, sampling, generate)
+
+
+def run_client_rounds(
+    url: str, rows: list[dict[str, Any]], tokenizer: Any, sampling: Sampling, in_flight: int
+):
+    """Diagnosis: the same turn-by-turn batches through the vLLM client and server alone (no
+    scheduler, journal or table): what the server path costs by itself."""
+    special = special_ids(tokenizer, END_OF_TURN)
+    engine = VLLMEngine(
+        ClientSettings(endpoints=(url,), max_in_flight=in_flight), sampling, special.end_of_turn
+    )
+
+    def generate(requests: list[Any]) -> list[list[int]]:
+        out: dict[str, Result] = {}
+        engine.generate(requests, lambda r: out.__setitem__(r.id, r))
+        return [out[r.id].completion_ids for r in requests]
+
+    try:
+        return turn_by_turn(rows, tokenizer, sampling, generate)
+    finally:
+        engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,10 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         for repeat in range(args.repeats):
             sides: dict[str, tuple[int, float]] = {}
-            order = ("draftline", "batch") if repeat % 2 == 0 else ("batch", "draftline")
-            for side in order:
+            order = ("draftline", "batch", "client_rounds")
+            for side in order if repeat % 2 == 0 else order[::-1]:
                 if side == "batch":
                     sides[side] = run_batch(llm, rows, tokenizer, sampling)
+                elif side == "client_rounds":
+                    sides[side] = run_client_rounds(state.url, rows, tokenizer, sampling,
+                                                    int(settings["max_in_flight"]))  # fmt: skip
                 else:
                     run = work / f"run-{repeat}"
                     run.mkdir()
@@ -272,20 +309,27 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_tokens": sides["batch"][0], "batch_s": sides["batch"][1],
                 "draftline_tok_s": rate["draftline"], "batch_tok_s": rate["batch"],
                 "ratio": rate["draftline"] / rate["batch"],
+                "client_rounds_tok_s": rate["client_rounds"],
+                "client_rounds_ratio": rate["client_rounds"] / rate["batch"],
             }  # fmt: skip
             figures.append(figure)
             print(
                 f"repeat {repeat}: draftline {figure['draftline_tok_s']:,.1f} tok/s "
                 f"({figure['draftline_tokens']} tokens in {figure['draftline_s']:.1f} s), batch "
                 f"{figure['batch_tok_s']:,.1f} tok/s ({figure['batch_tokens']} tokens in "
-                f"{figure['batch_s']:.1f} s): ratio {figure['ratio']:.3f}",
+                f"{figure['batch_s']:.1f} s): ratio {figure['ratio']:.3f}; client and server alone "
+                f"{figure['client_rounds_tok_s']:,.1f} tok/s, ratio "
+                f"{figure['client_rounds_ratio']:.3f}",
                 flush=True,
             )
     finally:
         server_process.stop(state, root=work)
     median = statistics.median(f["ratio"] for f in figures)
+    alone = statistics.median(f["client_rounds_ratio"] for f in figures)
     if args.json:
-        args.json.write_text(json.dumps({"repeats": figures, "ratio_median": median}, indent=1))
+        summary = {"repeats": figures, "ratio_median": median, "client_rounds_ratio_median": alone}
+        args.json.write_text(json.dumps(summary, indent=1))
+    print(f"client and server alone: ratio median {alone:.3f}")
     print(f"ratio median={median:.3f}")
     return 0
 
