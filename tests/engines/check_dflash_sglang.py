@@ -8,13 +8,15 @@ not resolve. Here that module's own source runs unchanged (`__init__`, the confi
 sglang/srt/speculative/dflash_utils.py, `load_weights` with its stacked q/k/v and gate/up
 mapping and name aliases), on the config transformers' AutoConfig reads, as SGLang's loader
 does. Its layer package does not import on CPU (see engine_source.py), so these names, and only
-these, are stand-ins with the parameters SGLang's classes register under the same attribute
-names and shapes (TP size 1): QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-ColumnParallelLinear, ReplicatedLinear (`weight` [out, in], `bias`; their `weight_loader`
-checks a shard's shape, as SGLang's does, and records it), RMSNorm/GemmaRMSNorm (`weight`
-[dim]), VocabParallelEmbedding (`weight`), SiluAndMul, RadixAttention, get_rope (no
-parameters: kernels and caches only), AttentionType (its two members used), default_weight_loader
-(shape check, as SGLang's asserts), DraftParallelSpec/DraftTPExecution (a class attribute).
+these, are stand-ins (the answer's `standins` lists those used) registering the parameters
+SGLang's classes register, under the same attribute names and shapes (TP size 1):
+QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,
+ReplicatedLinear (`weight` [out, in], `bias`; their `weight_loader` checks a shard's shape, as
+SGLang's does, and records it), RMSNorm/GemmaRMSNorm (`weight` [dim]), VocabParallelEmbedding
+(`weight`), default_weight_loader (shape check, as SGLang's asserts), DraftParallelSpec and
+DraftTPExecution (a class attribute). The rest is SGLang's own: RadixAttention, get_rope,
+SiluAndMul and AttentionType import on CPU and are used as they are; get_rope_config is the
+function from SGLang's source; the parallel context is SGLang's, set to TP size 1.
 """
 
 from __future__ import annotations
@@ -92,17 +94,6 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
 
 
-class NoParameters(nn.Module):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
-        self.kwargs = kwargs
-
-
-class AttentionType(enum.Enum):
-    DECODER = "decoder"
-    ENCODER_ONLY = "encoder_only"
-
-
 class DraftParallelSpec:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -121,10 +112,6 @@ STANDINS: dict[str, Any] = {
     "RMSNorm": Norm,
     "GemmaRMSNorm": Norm,
     "VocabParallelEmbedding": Embedding,
-    "SiluAndMul": NoParameters,
-    "RadixAttention": NoParameters,
-    "get_rope": NoParameters,
-    "AttentionType": AttentionType,
     "default_weight_loader": default_weight_loader,
     "DraftParallelSpec": DraftParallelSpec,
     "DraftTPExecution": DraftTPExecution,
