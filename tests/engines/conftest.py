@@ -1,9 +1,11 @@
 """The `engines` tests: what draftline sends to SGLang and vLLM, run through the pinned engines'
 own code (parsers, request models, DFlash loaders) in their environment, `.venv-engines`
 (`bash .ci/engines` builds it). Our code runs here; the engines' code runs in a subprocess of
-that environment's Python ($DRAFTLINE_ENGINES_PYTHON names another one). No GPU is needed and
-no module is stubbed: what the checks import loads on CPU (vLLM only logs that its CUDA
-extension `vllm._C` is missing); what would need one is left out and said so where it is."""
+that environment's Python ($DRAFTLINE_ENGINES_PYTHON names another one). No GPU is needed: what
+the parser and request checks import loads on CPU (vLLM only logs that its CUDA extension
+`vllm._C` is missing); what would need one is left out and said so where it is. The DFlash
+loader checks stand in for the few layer classes that cannot be built on CPU and name each
+(check_dflash_sglang.py, check_dflash_vllm.py)."""
 
 from __future__ import annotations
 
