@@ -4,7 +4,8 @@ the vLLM profile (no speculation, the drafter), goes through the launcher's own 
 the pinned engines: `sglang.launch_server` (`prepare_server_args`), `sglang_router.launch_server`
 (its `main()`, strict parser of ServerArgs + RouterArgs, then both `from_cli_args`), and
 `vllm serve` (`vllm.entrypoints.cli.main`, `validate_parsed_serve_args`, then
-`AsyncEngineArgs.from_cli_args`). The checker is the one `draftline doctor` runs
+`AsyncEngineArgs.from_cli_args`) and, for vLLM's CPU build, `vllm.entrypoints.openai.api_server`
+(the same parser and checks through its own entry). The checker is the one `draftline doctor` runs
 (src/draftline/generation/engine_argv_check.py); see its docstring for where each launcher is
 stopped. Not run: SGLang's `resolve_once` and vLLM's `create_engine_config`, which load the
 target's config from the hub and probe the GPU."""
@@ -67,6 +68,11 @@ def commands(tmp_path_factory, exported_drafter) -> dict[str, list[str]]:
             out[f"{model} {hardware} none"] = dry_run(tmp, model, hardware, "--no-speculation")
         out[f"{model} vllm_cpu none"] = dry_run(tmp, model, "vllm_cpu", "--no-speculation")
         out[f"{model} vllm_cpu dflash"] = dry_run(tmp, model, "vllm_cpu", *drafter)
+        # vLLM on a GPU node (vllm 0.34.0) launches through `vllm serve` instead.
+        cuda = ("hardware.device=cuda",)
+        out[f"{model} vllm_gpu dflash"] = dry_run(
+            tmp, model, "vllm_cpu", *drafter, overrides=cuda
+        )  # fmt: skip
     return out
 
 
@@ -103,7 +109,11 @@ def test_every_command_line_passes_the_engines_own_parsers(commands, verdicts):
     }
     assert not failed, "\n".join(f"{n}: {why}" for n, why in failed.items())
     modules = {verdicts[n]["module"] for n in commands}
-    assert modules == {"sglang_router.launch_server", "vllm.entrypoints.cli.main"}
+    assert modules == {
+        "sglang_router.launch_server",
+        "vllm.entrypoints.cli.main",
+        "vllm.entrypoints.openai.api_server",
+    }
 
 
 def test_single_engine_sglang_launcher_parses_too(verdicts):

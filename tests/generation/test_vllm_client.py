@@ -81,7 +81,11 @@ def test_launch_command_is_eager_fp32_and_serves_the_drafter_as_dflash(tmp_path:
 
     model = with_speculation({"path": "models/x", "serving": {}}, drafter)
     cmd = vllm_server.server_command(PROFILE, model, port=31005, python="py")
-    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "models/x"]
+    # vLLM's CPU build launches through its api_server (its `vllm serve` entry cannot find the
+    # version of a package named `vllm`); a GPU node through `vllm serve` (cli.main).
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "models/x"]
+    gpu = vllm_server.server_command({**PROFILE, "device": "cuda"}, model, python="py")
+    assert gpu[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "models/x"]
     flags = dict(zip(cmd[5::2], cmd[6::2], strict=False))
     assert flags["--port"] == "31005"
     assert flags["--dtype"] == "float32" and "--enforce-eager" in cmd

@@ -16,6 +16,8 @@ Each launcher's own entry code parses, and is stopped right after its parsing:
   `validate_parsed_serve_args`), stopped where the subcommand would start the server; then
   `AsyncEngineArgs.from_cli_args` on the parsed namespace (run without HF_HUB_OFFLINE: under
   it vLLM resolves a hub id to its cached folder, and the target need not be here).
+- `vllm.entrypoints.openai.api_server` (vLLM's CPU build): its entry's `main()` (the same serve
+  parser and validation), stopped where it hands the parsed args to the server.
 """
 
 from __future__ import annotations
@@ -65,10 +67,26 @@ def _vllm(args: list[str]) -> None:
     cli.main()
 
 
+def _vllm_api_server(args: list[str]) -> None:
+    """`python -m vllm.entrypoints.openai.api_server` (what vLLM's CPU build runs): its entry
+    parses, validates, then hands the args to the server, stopped there."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server import entry
+
+    def stop(parsed) -> None:
+        AsyncEngineArgs.from_cli_args(parsed)
+        raise Parsed
+
+    entry.run_server = stop  # called with the parsed args before uvloop runs anything
+    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
+    entry.main()
+
+
 CHECKS = {
     "sglang.launch_server": _sglang,
     "sglang_router.launch_server": _sglang_router,
     "vllm.entrypoints.cli.main": _vllm,
+    "vllm.entrypoints.openai.api_server": _vllm_api_server,
 }
 
 

