@@ -13,8 +13,11 @@ folder must be on storage every node sees, as every process writes its own shard
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,15 @@ def _aside(path: Path) -> Path:
 
 def _staging(path: Path, step: int) -> Path:
     return path.parent / f".{path.name}.step{step}.tmp"
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load without a process group that it assumes one process:
+    exactly what a single-process run means, so not worth a line per checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -53,7 +65,8 @@ def save(
         shutil.rmtree(staging, ignore_errors=True)  # a torn attempt of an earlier run
         staging.parent.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(staging))
+    with _single_process_quiet():
+        dcp.save(_state(model, optimizer), checkpoint_id=str(staging))
     distributed.barrier()
     if main:
         with open(staging / PROGRESS_FILE, "wb") as f:
@@ -102,8 +115,18 @@ def load(
             print(f"{folder}: belongs to other params or data, starting afresh")
         return None
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(folder))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     return progress
+
+
+def remove(path: Path) -> None:
+    """Delete the checkpoint at `path` and any copy set aside or staged beside it (main
+    process), once its state is kept elsewhere."""
+    if distributed.rank() == 0:
+        for leftover in [path, _aside(path), *path.parent.glob(f".{path.name}.step*.tmp")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+    distributed.barrier()

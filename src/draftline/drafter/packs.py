@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +35,52 @@ def load_pack(path: str | Path) -> dict[str, Any]:
     return data
 
 
-class ExtractedData:
-    """Sequences of `data/extracted/`: token ids, loss masks, and offline features on demand."""
+def shard_folder(root: str | Path, shard: int) -> Path:
+    """Where `extract --shard K` writes shard K's packs: `data/extracted/shard-K/`."""
+    return Path(root) / f"shard-{shard}"
 
-    def __init__(self, folder: str | Path, block_size: int) -> None:
-        self.folder = Path(folder)
-        index_path = self.folder / INDEX_NAME
-        if not index_path.exists():
-            raise SystemExit(f"{index_path} not found: run the extract stage (dvc repro extract)")
-        self.index = json.loads(index_path.read_text(encoding="utf-8"))
-        self.online = self.index["features"] == "online"
-        self.fingerprint = hashlib.sha256(index_path.read_bytes()).hexdigest()
+
+class ExtractedData:
+    """Sequences of one or more extraction folders (`data/extracted/shard-K/`), in the order
+    given: token ids, loss masks, and offline features on demand. `offsets[j]` is the index of
+    folder j's first sequence, so a shard's sequences keep their place whatever else is read."""
+
+    def __init__(self, folders: str | Path | Sequence[str | Path], block_size: int) -> None:
+        self.folders = (
+            [Path(folders)] if isinstance(folders, (str, Path)) else list(map(Path, folders))
+        )
+        if not self.folders:
+            raise SystemExit("no extraction folder to train on: run the extract stages first")
         self.items: list[tuple[str, str, int, int]] = []  # (sample id, pack, start, end)
         self._tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dropped = 0
-        for shard in self.index["shards"]:
-            pack = str(self.folder / shard["file"])
+        self.offsets: list[int] = []
+        digest = hashlib.sha256()
+        indexes = []
+        for folder in self.folders:
+            index_path = folder / INDEX_NAME
+            if not index_path.exists():
+                raise SystemExit(
+                    f"{index_path} not found: run the extract stage of that shard "
+                    f"(dvc repro extract@{folder.name.removeprefix('shard-')})"
+                )
+            digest.update(index_path.read_bytes())
+            indexes.append(json.loads(index_path.read_text(encoding="utf-8")))
+            self.offsets.append(len(self.items))
+            self._read_folder(folder, indexes[-1], block_size)
+        modes = {index["features"] for index in indexes}
+        if len(modes) > 1:
+            raise SystemExit(
+                f"extraction folders mix feature modes {sorted(modes)}: rerun extract with one "
+                "extract.features for every shard"
+            )
+        self.index = indexes[0]
+        self.online = self.index["features"] == "online"
+        self.fingerprint = digest.hexdigest()
+
+    def _read_folder(self, folder: Path, index: dict[str, Any], block_size: int) -> None:
+        for shard in index["shards"]:
+            pack = str(folder / shard["file"])
             with safe_open(pack, framework="pt") as f:
                 ids = json.loads((f.metadata() or {}).get("ids", "[]"))
                 input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
@@ -63,6 +94,11 @@ class ExtractedData:
                     self.items.append((sample_id, pack, start, end))
                 else:
                     self.dropped += 1
+
+    def sizes(self) -> list[int]:
+        """Usable sequences per folder."""
+        ends = [*self.offsets[1:], len(self.items)]
+        return [end - start for start, end in zip(self.offsets, ends, strict=True)]
 
     def __len__(self) -> int:
         return len(self.items)

@@ -1,8 +1,12 @@
 """Training loop of the DFlash drafter: data, optimisation, distribution, checkpoints, metrics.
 
-- Data: the packs of `data/extracted/` (docs/pipeline.md); sequences with fewer than 2B
-  supervised tokens are dropped. Offline packs carry the target features; online packs do not
-  and the frozen target computes them per micro-batch (`draftline.drafter.features`).
+- Data: the packs of `data/extracted/shard-K/` (docs/pipeline.md); sequences with fewer than
+  2B supervised tokens are dropped. Offline packs carry the target features; online packs do
+  not and the frozen target computes them per micro-batch (`draftline.drafter.features`).
+- Steps: fixed from the planned rows; the first epoch reads shard by shard, so a chain of
+  stages can train on each shard as soon as it is generated, and the rest reads every shard
+  (`draftline.drafter.step_plan`). `Segment` says which part a call trains: a whole run, one
+  link of the chain (its state saved for the next), or the steps after the chain.
 - The global batch (`drafter.global_batch_size` sequences) is fixed; the hardware profile only
   splits it: micro-batch x accumulation x world size. Each step's loss is the weighted CE summed
   over the whole global batch divided by its total weight, so every split gives the same
@@ -14,7 +18,8 @@
   and, under FSDP, sharded too.
 - A checkpoint (model, optimiser, schedule, step; `draftline.drafter.checkpoints`) is written
   every few steps with torch.distributed.checkpoint; a rerun, on the same or another world
-  size, resumes from it and ends where an uninterrupted run would have.
+  size, resumes from it and ends where an uninterrupted run would have. A link's state, in
+  the same format, is its stage's output.
 """
 
 from __future__ import annotations
@@ -45,10 +50,17 @@ from draftline.drafter.objective import (
 from draftline.drafter.packs import ExtractedData
 from draftline.drafter.selector_objective import SelectorObjective, selector_loss
 from draftline.drafter.sharding import Layout
+from draftline.drafter.step_plan import StepPlan
+from draftline.drafter.step_records import (  # noqa: F401 (POSITION_PREFIX: the stage's)
+    POSITION_PREFIX,
+    Metrics,
+    add_parts,
+    selector_record,
+    step_record,
+)
 from draftline.runtime import distributed
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-POSITION_PREFIX = "acc_pos/"  # history keys acc_pos/1 .. acc_pos/B-1: accuracy per position
 
 
 @dataclass
@@ -128,51 +140,20 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Any:
     return factor
 
 
-def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedData) -> str:
-    """What a checkpoint belongs to: a changed param, dataset or target (`target_id`: other
-    weights in the same folder, whose features online training computes) never resumes it."""
-    names = ("path", "revision", "target_id", "target_layer_ids", "mask_token_id")
+def chain_fingerprint(model: dict[str, Any], hp: Hyperparameters) -> str:
+    """What a run's states belong to, whatever data each link read: a changed param or target
+    (`target_id`: other weights in the same folder, whose features online training computes)
+    never resumes one. Paths are left out: the same weights elsewhere resume the same run."""
+    names = ("target_id", "target_layer_ids", "mask_token_id")
     keys = {k: model.get(k) for k in names}
-    text = json.dumps(
-        {"model": keys, "hp": hp.identity(), "data": data.fingerprint}, sort_keys=True
-    )
+    text = json.dumps({"model": keys, "hp": hp.identity()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-class Metrics:
-    """dvclive on the main process (`Live(dir, dvcyaml=False)`: dvc.yaml declares the plots).
-
-    A resumed run rewrites the plots from the checkpoint's history: DVC deletes a stage's plots
-    before it reruns the stage, and rows logged after the checkpoint are redone anyway.
-    """
-
-    def __init__(
-        self, live_dir: Path | None, history: list[dict[str, float]], enabled: bool
-    ) -> None:
-        self.live = None
-        if live_dir is None or not enabled:
-            return
-        from dvclive import Live
-
-        self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False)
-        for step, record in enumerate(history):
-            self.log(step, record)
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        if self.live is None:
-            return
-        self.live.step = step
-        for name, value in values.items():
-            if not name.startswith(POSITION_PREFIX):  # charted from one table (stages/train.py)
-                self.live.log_metric(name, value)
-
-    def close(self) -> None:
-        if self.live is not None:
-            self.live.end()
+def run_fingerprint(model: dict[str, Any], hp: Hyperparameters, data: ExtractedData) -> str:
+    """What a working checkpoint belongs to: the run and the packs it reads."""
+    text = f"{chain_fingerprint(model, hp)}|{data.fingerprint}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,28 +206,45 @@ def load_online_target(
     return target
 
 
+@dataclass
+class Segment:
+    """The part of the run one call trains (`draftline.drafter.step_plan`): every step (the
+    default: the data's folders are the shards, in order), one chain link (the first epoch's
+    steps over shard `link`; the data is that shard), or the steps after the chain (the data
+    is every shard)."""
+
+    link: int | None = None
+    after_chain: bool = False
+    start_from: Path | None = None  # the state the previous link left (links after the first)
+    planned_rows: int | None = None  # fixes the step count; default: the usable sequences
+    save_to: Path | None = None  # where a link leaves its state for the next stage
+
+    def describe(self) -> str:
+        if self.link is not None:
+            return f"link {self.link}"
+        return "after the chain" if self.after_chain else "whole run"
+
+
 def train(
-    data_dir: str | Path,
+    data_dirs: str | Path | list[Path],
     model: dict[str, Any],
     hp: Hyperparameters,
     run: RunOptions,
+    segment: Segment | None = None,
 ) -> TrainResult:
-    """Train a drafter on `data_dir` (resuming from `run.checkpoint_path` when it exists)."""
+    """Train `segment` of a drafter's run on the packs of `data_dirs` (resuming from
+    `run.checkpoint_path` when it holds this segment's state)."""
+    segment = segment or Segment()
     world = init_world(run.device)
     device = distributed.device(run.device)
-    data = ExtractedData(data_dir, hp.block_size)
+    data = ExtractedData(data_dirs, hp.block_size)
     if hp.global_batch_size % world.size:
         raise SystemExit(
             f"drafter.global_batch_size={hp.global_batch_size} does not split over "
             f"{world.size} processes: choose a multiple of the world size"
         )
-    steps_per_epoch = len(data) // hp.global_batch_size
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"{len(data)} usable sequences (dropped {data.dropped} with < 2B supervised tokens) "
-            f"are fewer than drafter.global_batch_size={hp.global_batch_size}: lower it or add data"
-        )
-    total_steps = steps_per_epoch * hp.epochs
+    chain_fp = chain_fingerprint(model, hp)
+    plan, loaded, steps, before = _plan(segment, data, hp, chain_fp)
 
     layer_ids = [int(i) for i in model["target_layer_ids"]]
     target_lm = None
@@ -262,34 +260,55 @@ def train(
         drafter.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(total_steps, hp.warmup_ratio)
+        optimizer, cosine_with_warmup(plan.total_steps, hp.warmup_ratio)
     )
-    fingerprint = run_fingerprint(model, hp, data)
+    # A working checkpoint resumes only this segment, from this start, on this data.
+    fingerprint = hashlib.sha256(
+        f"{run_fingerprint(model, hp, data)}|{segment.describe()}|{before}".encode()
+    ).hexdigest()[:16]
     state = checkpoints.load(run.checkpoint_path, drafter, optimizer, fingerprint)
-    start_step, history, tokens, seconds = 0, [], 0, 0.0
+    if state is None and segment.start_from is not None:
+        state = checkpoints.load(segment.start_from, drafter, optimizer, chain_fp)
+        if state is None:
+            raise SystemExit(
+                f"{segment.start_from}: not a state of this run (other drafter params or "
+                "target): rerun the chain from its first link (dvc repro train_shard@0)"
+            )
+    start_step, history, tokens, seconds = steps.start, [], 0, 0.0
     if state is not None:
         schedule.load_state_dict(state["schedule"])
         start_step, history = int(state["step"]), list(state["history"])
         tokens, seconds = int(state.get("tokens", 0)), float(state.get("seconds", 0.0))
 
+    def batch_of(step: int) -> tuple[int, list[int]]:
+        """(epoch, indices into the loaded sequences) of `step`."""
+        if step < plan.chain_steps:
+            shard = plan.shard_of(step)
+            base = data.offsets[loaded.index(shard)]
+            return 0, [base + i for i in plan.link_batch(shard, step)]
+        return plan.rest_batch(step)  # the loaded data is every shard, in order
+
+    def progress(step: int, fp: str) -> dict[str, Any]:
+        return {
+            "fingerprint": fp, "step": step, "schedule": schedule.state_dict(),
+            "history": history, "tokens": tokens, "seconds": seconds, "plan": plan.state(),
+            "world_size": world.size, **run.layout.describe(),
+        }  # fmt: skip
+
     metrics = Metrics(run.live_dir, history, world.is_main)
     bar = tqdm(
-        total=total_steps,
+        total=steps.stop,
         initial=start_step,
-        desc="train",
+        desc=f"train ({segment.describe()})" if segment.link is not None else "train",
         unit="step",
         disable=not (run.progress and world.is_main),
     )
     tokens_before = tokens
     mask_id = drafter.config.mask_token_id
     try:
-        for step in range(start_step, total_steps):
+        for step in range(start_step, steps.stop):
             began = time.perf_counter()
-            epoch, index = divmod(step, steps_per_epoch)
-            order = torch.randperm(
-                len(data), generator=torch.Generator().manual_seed(hp.seed * 1_000_003 + epoch)
-            ).tolist()
-            batch = order[index * hp.global_batch_size : (index + 1) * hp.global_batch_size]
+            epoch, batch = batch_of(step)
             shares = split_global_batch(batch, world, run.micro_batch_size)
             micro = []
             for share in shares:
@@ -315,7 +334,7 @@ def train(
                 torch.tensor(sum(float(mb.weights.sum()) for _, mb in micro), device=device)
             )
             sums = torch.zeros(4 + 4 * hp.block_size, dtype=torch.float64, device=device)
-            alpha = hp.selector.weight(step, total_steps) if hp.selector else 0.0
+            alpha = hp.selector.weight(step, plan.total_steps) if hp.selector else 0.0
             for number, (share, mb) in enumerate(micro):
                 mb = mb.to(device)
                 features = _features(data, share, mb, target_lm, layer_ids, device)
@@ -333,7 +352,7 @@ def train(
                     (loss * world.size / total_weight).backward()
                 sums[0] += parts.weighted_ce.detach().double()
                 sums[1] += mb.num_tokens
-                _add_parts(sums, parts, hp.block_size)
+                add_parts(sums, parts, hp.block_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), hp.grad_clip)
             lr = schedule.get_last_lr()[0]
             optimizer.step()
@@ -342,31 +361,33 @@ def train(
             distributed.all_sum_tensor(sums)
             seconds += time.perf_counter() - began
             tokens += int(sums[1])
-            record = _step_record(
+            record = step_record(
                 sums, total_weight, hp.block_size, lr, sharding.local_float(grad_norm)
             )
             if hp.selector is not None:
-                record.update(_selector_record(sums, total_weight, hp.block_size, alpha))
+                record.update(selector_record(sums, total_weight, hp.block_size, alpha))
             history.append(record)
             metrics.log(step, record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}")
             done = step + 1
             if run.checkpoint_path is not None and (
-                done % run.checkpoint_every == 0 or done == total_steps
+                done % run.checkpoint_every == 0 or done == steps.stop
             ):
-                progress = {
-                    "fingerprint": fingerprint, "step": done, "schedule": schedule.state_dict(),
-                    "history": history, "tokens": tokens, "seconds": seconds,
-                    "world_size": world.size, **run.layout.describe(),
-                }  # fmt: skip
-                checkpoints.save(run.checkpoint_path, drafter, optimizer, progress)
+                checkpoints.save(
+                    run.checkpoint_path, drafter, optimizer, progress(done, fingerprint)
+                )
+        if segment.save_to is not None:
+            # The link's state, the next stage's start (DVC caches and pushes it).
+            checkpoints.save(segment.save_to, drafter, optimizer, progress(steps.stop, chain_fp))
+            if run.checkpoint_path is not None:
+                checkpoints.remove(run.checkpoint_path)  # the output holds the same state
     finally:
         bar.close()
         metrics.close()
     return TrainResult(
-        drafter=_whole(drafter, head, world),
-        steps=total_steps,
+        drafter=_whole(drafter, head, world) if segment.link is None else drafter,
+        steps=plan.total_steps if segment.link is None else len(steps),
         history=history,
         tokens=tokens,
         seconds=seconds,
@@ -375,8 +396,51 @@ def train(
         dropped_sequences=data.dropped,
         world_size=world.size,
         resumed_from_step=start_step,
-        extra={"steps_per_epoch": steps_per_epoch, "online": data.online},
+        extra={"chain_steps": plan.chain_steps, "online": data.online, "plan": plan.state()},
     )
+
+
+def _plan(
+    segment: Segment, data: ExtractedData, hp: Hyperparameters, chain_fp: str
+) -> tuple[StepPlan, list[int], range, int]:
+    """The run's step plan as this segment sees it, the shard of each loaded data folder, the
+    steps the segment trains, and the step it starts from."""
+    if segment.start_from is not None:
+        found = checkpoints.read_progress(segment.start_from)
+        if found is None:
+            raise SystemExit(
+                f"{segment.start_from}: no training state there: the previous link has not "
+                "run (dvc repro train_shard@N, N the shard before)"
+            )
+        progress = found[1]
+        if progress.get("fingerprint") != chain_fp:
+            raise SystemExit(
+                f"{segment.start_from}: a state of another run (other drafter params or "
+                "target): rerun the chain from its first link (dvc repro train_shard@0)"
+            )
+        plan = StepPlan.from_state(progress["plan"])
+        before = int(progress["step"])
+    else:
+        if segment.link not in (None, 0) or segment.after_chain:
+            raise ValueError(f"{segment.describe()} needs the state the link before it left")
+        rows = segment.planned_rows if segment.planned_rows is not None else len(data)
+        plan = StepPlan.planned(rows, hp.epochs, hp.global_batch_size, hp.seed)
+        before = 0
+    sizes = data.sizes()
+    if segment.link is not None:
+        steps = plan.add_shard(segment.link, len(data))
+        return plan, [segment.link], steps, before
+    if segment.after_chain:
+        if plan.shard_sizes != sizes:
+            raise SystemExit(
+                f"the packs hold {sizes} usable sequences per shard, the chain trained on "
+                f"{plan.shard_sizes}: a shard changed after its link trained on it; rerun "
+                "its extract and the chain from there (dvc repro)"
+            )
+        return plan, list(range(len(sizes))), plan.rest_steps(), before
+    for shard, usable in enumerate(sizes):
+        plan.add_shard(shard, usable)
+    return plan, list(range(len(sizes))), range(0, plan.total_steps), before
 
 
 def _whole(drafter: DFlashDrafter, head: Any, world: World) -> DFlashDrafter:
@@ -416,43 +480,3 @@ def _features(
         feats = data.features(i)
         out[row, : feats.shape[0]] = feats
     return out.to(device)
-
-
-def _add_parts(sums: torch.Tensor, parts: LossParts, block: int) -> None:
-    """sums: [loss, tokens, -, selector loss, then B each of: greedy hits, supervised outputs,
-    selector top-k recall, selector top-1 recall]."""
-    sums[4 : 4 + block] += parts.correct.double()
-    sums[4 + block : 4 + 2 * block] += parts.counted.double()
-    if parts.selector is not None:
-        sums[3] += parts.selector.weighted_ce.detach().double()
-        sums[4 + 2 * block : 4 + 3 * block] += parts.selector.in_top_k.double()
-        sums[4 + 3 * block :] += parts.selector.top1.double()
-
-
-def _selector_record(
-    sums: torch.Tensor, total_weight: torch.Tensor, block: int, alpha: float
-) -> dict[str, float]:
-    """DFlash2's selector: its loss, and how often the gold token is among the candidates
-    (recall@top-k, the selector's ceiling) and is the one it scores best (recall@1)."""
-    counted = sums[4 + block : 4 + 2 * block].sum().clamp(min=1)
-    return {
-        "selector_loss": float(sums[3] / total_weight),
-        "selector_alpha": alpha,
-        "selector_recall_topk": float(sums[4 + 2 * block : 4 + 3 * block].sum() / counted),
-        "selector_recall_top1": float(sums[4 + 3 * block :].sum() / counted),
-    }
-
-
-def _step_record(
-    sums: torch.Tensor, total_weight: torch.Tensor, block: int, lr: float, grad_norm: float
-) -> dict[str, float]:
-    correct, counted = sums[4 : 4 + block], sums[4 + block : 4 + 2 * block]
-    record = {
-        "loss": float(sums[0] / total_weight),
-        "acc": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
-        "lr": lr,
-        "grad_norm": grad_norm,
-    }
-    for k in range(1, block):
-        record[f"{POSITION_PREFIX}{k}"] = float(correct[k] / counted[k].clamp(min=1))
-    return record

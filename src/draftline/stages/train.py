@@ -1,4 +1,11 @@
-"""Stage `train`: extracted data -> DFlash drafter (`models/drafter/`), metrics and plots.
+"""Stages `train_shard@K` and `train`: extracted data -> DFlash drafter, metrics and plots.
+
+`draftline train --shard K` is a link of the chain that follows generation: the first epoch's
+steps over shard K, resumed from link K-1's state (`models/chain/shard-K-1/`), its own state
+left in `models/chain/shard-K/` for the next (`draftline.drafter.step_plan`). Plain
+`draftline train` trains the remaining epochs over every shard from the last link's state and
+exports the drafter (`models/drafter/`) with metrics and plots. Given a single extraction
+folder (`--data` holding an index.json), it trains a whole run in one go.
 
 With a hardware profile of several processes per node it reruns itself as that many processes
 (`distributed.run_in_local_processes`, rendezvous on loopback), laid out as the profile says
@@ -38,7 +45,18 @@ COMPARE_KEYS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="composed parameters")
-    parser.add_argument("--data", default="data/extracted", help="extracted packs")
+    parser.add_argument(
+        "--data", default="data/extracted", help="extracted packs (shard-K/ folders, or one)"
+    )
+    parser.add_argument(
+        "--shard", type=int, default=None, help="train only this shard's link of the chain"
+    )
+    parser.add_argument("--chain", default="models/chain", help="the links' states (a folder)")
+    parser.add_argument(
+        "--curate-summary",
+        default="data/curated/summary.json",
+        help="curate's row counts: the planned rows that fix the step count",
+    )
     parser.add_argument("--out", default="models/drafter", help="exported drafter folder")
     parser.add_argument(
         "--metrics", default="metrics/train.json", help="metrics file (metrics/train.json)"
@@ -77,14 +95,22 @@ def run(args: argparse.Namespace) -> int:
         precision=execution.precision,
         micro_batch_size=execution.micro_batch_size,
         layout=Layout.of(profile),
-        checkpoint_path=Path(args.checkpoint),
+        checkpoint_path=_working_checkpoint(Path(args.checkpoint), args.shard),
         checkpoint_every=args.checkpoint_every,
         live_dir=Path(args.live),
         progress=not args.no_progress,
     )
+    folders, segment = _segment(args, [int(k) for k in p.get("data", {}).get("shard_ids", [])])
     try:
-        result = train(args.data, p["model"], hp, options)
-        if distributed.rank() == 0:
+        result = train(folders, p["model"], hp, options, segment)
+        if segment.link is not None:
+            if distributed.rank() == 0:
+                print(
+                    f"train: link {segment.link}: steps {result.resumed_from_step}.."
+                    f"{result.extra['chain_steps']} of {result.extra['plan']['total_steps']} "
+                    f"on {result.num_sequences} sequences; state in {segment.save_to}"
+                )
+        elif distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
             record = {**metrics(result, hp, options, profile), **params.identity(p)}
             run_log.write(args, "train", record, RESULT_KEYS, COMPARE_KEYS, record["tokens_per_s"])
@@ -99,6 +125,44 @@ def run(args: argparse.Namespace) -> int:
     finally:
         distributed.close()
     return 0
+
+
+def _segment(args: argparse.Namespace, shard_ids: list[int]) -> tuple[list[Path], Any]:
+    """The data folders and the part of the run this call trains."""
+    from draftline.drafter.packs import INDEX_NAME, shard_folder
+    from draftline.drafter.training import Segment
+
+    data, chain = Path(args.data), Path(args.chain)
+    if args.shard is not None:
+        k = args.shard
+        if k not in shard_ids:
+            raise SystemExit(f"train --shard {k}: not one of data.shard_ids {shard_ids}")
+        before = shard_ids[shard_ids.index(k) - 1] if shard_ids.index(k) else None
+        return [shard_folder(data, k)], Segment(
+            link=k,
+            start_from=shard_folder(chain, before) if before is not None else None,
+            planned_rows=planned_rows(Path(args.curate_summary)) if before is None else None,
+            save_to=shard_folder(chain, k),
+        )
+    if (data / INDEX_NAME).is_file():  # one extraction folder: the whole run in one go
+        return [data], Segment()
+    last = shard_folder(chain, shard_ids[-1])
+    return [shard_folder(data, k) for k in shard_ids], Segment(after_chain=True, start_from=last)
+
+
+def _working_checkpoint(path: Path, shard: int | None) -> Path:
+    """A link's resume state beside the run's (`checkpoint-shard-K`), never inside it."""
+    return path if shard is None else path.with_name(f"{path.name}-shard-{shard}")
+
+
+def planned_rows(summary: Path) -> int:
+    """The rows curate planned for training: what the step count is fixed from before any
+    shard is generated."""
+    import json
+
+    if not summary.is_file():
+        raise SystemExit(f"{summary} not found: run curate first (dvc repro curate)")
+    return int(json.loads(summary.read_text(encoding="utf-8"))["train_rows"])
 
 
 def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict[str, Any]:
@@ -152,6 +216,9 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         f"--metrics={args.metrics}", f"--report={args.report}", f"--run-log={args.run_log}",
         f"--throughput={args.throughput}", f"--live={args.live}", f"--plots={args.plots}",
         f"--checkpoint={args.checkpoint}",
-        f"--checkpoint-every={args.checkpoint_every}",
+        f"--checkpoint-every={args.checkpoint_every}", f"--chain={args.chain}",
+        f"--curate-summary={args.curate_summary}",
     ]  # fmt: skip
+    if args.shard is not None:
+        out.append(f"--shard={args.shard}")
     return [*out, "--no-progress"] if args.no_progress else out
