@@ -71,6 +71,7 @@ SCHEMA: Schema = {
         "eval_fraction": None,
         "num_shards": None,
         "shard_ids": None,
+        "shard_chain": None,
         "thinking_share": None,
         "regenerate_turns": None,
         "max_prompt_tokens": None,

@@ -107,6 +107,7 @@ TOP_K = Rule("int", low=-1)
 RULES: dict[str, Rule] = {
     "data.num_shards": count(),
     "data.shard_ids": Rule("list"),
+    "data.shard_chain": Rule("list"),
     "data.sources": Rule("list"),
     "data.eval_fraction": Rule("number", low=0, high=1),
     "data.thinking_share": share(),
@@ -245,6 +246,15 @@ def _relations(data: dict[str, Any]) -> list[str]:
             f"data.shard_ids must be [0..{n - 1}] for data.num_shards={n}; run `draftline "
             f"compose data.num_shards={n}` or pass -S 'data.shard_ids=[{listed}]' to dvc exp run"
         )
+    has_chain, chain = _get(data, "data.shard_chain")
+    if has_shards and has_chain and isinstance(n, int) and n >= 1:
+        from draftline.runtime.resolvers import shard_chain
+
+        if chain != list(shard_chain(n)):
+            out.append(
+                f"data.shard_chain must list shards 0..{n - 1} for data.num_shards={n}, each "
+                f"after the one before; run `draftline compose data.num_shards={n}`"
+            )
     _, heads = _get(data, "drafter.num_attention_heads")
     _, kv = _get(data, "drafter.num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv >= 1 and heads % kv:

@@ -23,6 +23,17 @@ def shard_ids(num_shards: int) -> ListConfig:
     return ListConfig(list(range(int(num_shards))))
 
 
+def shard_chain(num_shards: int) -> ListConfig:
+    """The chain of training links (dvc.yaml `train_shard`): shard k and the file its link
+    starts after, link k-1's state, or for shard 0 curate's summary (the planned rows). DVC's
+    foreach cannot compute k-1, so the list carries it."""
+    links = [
+        {"shard": k, "after": f"models/chain/shard-{k - 1}" if k else "data/curated/summary.json"}
+        for k in range(int(num_shards))
+    ]
+    return ListConfig(links)
+
+
 def target_id(path: str, revision: str | None = None) -> str:
     """Identity of the target's weights, independent of where they are stored.
 
@@ -53,6 +64,10 @@ def _hidden(rel: Path) -> bool:
 
 def register() -> None:
     """Register the resolvers once per process (Hydra may import the plugin module again)."""
-    for name, fn in (("draftline.shard_ids", shard_ids), ("draftline.target_id", target_id)):
+    for name, fn in (
+        ("draftline.shard_ids", shard_ids),
+        ("draftline.shard_chain", shard_chain),
+        ("draftline.target_id", target_id),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -74,7 +74,8 @@ def write(
 ) -> None:
     """The figures that compare runs to --metrics, the results and identity to --report, the
     full record to --run-log, tokens/s to --throughput."""
-    atomic.write_json(args.metrics, compared(record, compare_keys), sort_keys=False)
+    if args.metrics:  # None: a part of a stage (one shard) whose figures compare no runs
+        atomic.write_json(args.metrics, compared(record, compare_keys), sort_keys=False)
     atomic.write_json(args.report, results(record, result_keys))
     if tokens_per_s is None and "tokens_per_s" in record:
         record = {**record, **_earlier_rate(args.run_log, record)}

@@ -1,6 +1,9 @@
 """Stage `extract`: generated shards -> token packs, plus target features when offline.
 
-Refuses to run unless `data/validated/verdict.json` says the data passed validation. With a
+`draftline extract --shard K` extracts shard K alone into `data/extracted/shard-K/`, once
+its own validation passed (`data/validated/shards/shard-K.json`): the chain of training
+stages reads it as soon as the shard is generated. Without --shard, every shard of
+`data.shard_ids` into one folder (the whole run's verdict must have passed). With a
 hardware profile of several processes per node it reruns itself as that many processes
 (`distributed.run_in_local_processes`, rendezvous on loopback); under a torchrun the user
 started (several nodes) it takes its rank from the environment.
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verdict", default="data/validated/verdict.json", help="validate's verdict (must pass)"
     )
     parser.add_argument("--out", default="data/extracted", help="output folder")
+    parser.add_argument(
+        "--shard", type=int, default=None, help="extract only this shard, into OUT/shard-K/"
+    )
     parser.add_argument(
         "--metrics", default="metrics/extract.json", help="metrics file (metrics/extract.json)"
     )
@@ -79,7 +85,17 @@ def run(args: argparse.Namespace) -> int:
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
     execution = hardware.Execution.of(profile)
-    require_passed_verdict(Path(args.verdict))
+    shard_ids = [int(k) for k in p["data"]["shard_ids"]] if args.shard is None else [args.shard]
+    out, verdict = Path(args.out), Path(args.verdict)
+    if args.shard is not None:
+        from draftline.drafter.packs import shard_folder
+
+        if args.shard not in p["data"]["shard_ids"]:
+            raise SystemExit(f"extract --shard {args.shard}: not one of data.shard_ids")
+        out = shard_folder(out, args.shard)
+        args.metrics = None  # a shard's figures are a report; the runs compare on train's
+        verdict = verdict.parent / "shards" / f"shard-{args.shard}.json"
+    require_passed_verdict(verdict)
     if p["extract"]["features"] == "offline":
         relaunched = distributed.run_in_local_processes(
             execution.processes_per_node,
@@ -98,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
         device = distributed.device(execution.device)
         precision = execution.precision
         result = extract(
-            [Path(args.shards) / shard_file_name(k) for k in p["data"]["shard_ids"]],
-            Path(args.out),
+            [Path(args.shards) / shard_file_name(k) for k in shard_ids],
+            out,
             settings_from_params(p, profile),
             model_loader=lambda: load_model(p["model"], device=str(device), dtype=precision),
             device=device,
@@ -155,4 +171,6 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         f"--run-log={args.run_log}",
         f"--throughput={args.throughput}",
     ]  # fmt: skip
+    if args.shard is not None:
+        out.append(f"--shard={args.shard}")
     return [*out, "--no-progress"] if args.no_progress else out
