@@ -19,7 +19,8 @@ validate, extract, train, evaluate). `draftline COMMAND --help` explains each co
   draftline plan                   # time, storage, cost and memory per profile
   draftline serve start            # the profile's SGLang servers
   dvc repro                        # every stage; results in reports/, `dvc exp show`
-  draftline salvage                # save everything before the node shuts down"""
+  draftline salvage                # save everything before the node shuts down
+  draftline lead / draftline follow   # two nodes: one generates, the other trains meanwhile"""
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -29,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("draftline.commands.serve", "start, stop or show the SGLang servers"),
     "bench": ("draftline.commands.bench", "acceptance and speed-up against a live SGLang server"),
     "salvage": ("draftline.commands.salvage", "save everything before a node shuts down"),
+    "lead": ("draftline.commands.lead", "generating node: run and push each shard as it finishes"),
+    "follow": ("draftline.commands.follow", "training node: train on each shard as it arrives"),
     "build-tiny-target": (
         "draftline.commands.build_tiny_target",
         "rebuild the embedded tiny target model",
