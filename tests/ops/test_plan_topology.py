@@ -228,3 +228,12 @@ def test_the_table_fits_80_columns_and_says_who_waits(seed, profiles):
         # The generator is 1.5 h a shard, the PRO 6000 2.3 h: T is the bottleneck.
         assert "shards queue" in out and "training is the bottleneck" in out
         assert "b200x8 generates a shard in 1.5 h" in " ".join(out.split())
+
+
+def test_the_plan_beside_a_measured_one_keeps_the_pairs_it_has_figures_for(seed, profiles):
+    """--from-metrics: the estimate-only plan shows the measured plan's pairs, less those whose
+    profile has figures only from measurements there (a CPU run, say)."""
+    composed, plan = seed
+    pairs = [("b200x8", "pro6000x4"), ("b200x8", "cpu")]
+    shown = plan_topology.add_two_nodes(copy.deepcopy(plan), composed, profiles, pairs=pairs)
+    assert [(p["generate_on"], p["train_on"]) for p in shown["two_nodes"]] == [pairs[0]]

@@ -180,13 +180,13 @@ def run(args: argparse.Namespace) -> int:
         "storage_budget_tb": args.storage_budget_tb,
         "time_limit_days": args.time_limit_days,
     }
-    pair = (args.generate_on, args.train_on)
     plan = planning.build_plan(composed, profiles, metrics, **options)
-    plan_topology.add_two_nodes(plan, composed, profiles, *pair)
+    plan_topology.add_two_nodes(plan, composed, profiles, args.generate_on, args.train_on)
     plan["notes"] = notes + plan["notes"]
     if args.from_metrics:
         planned = planning.build_plan(composed, profiles, {}, **options)
-        plan_topology.add_two_nodes(planned, composed, profiles, *pair)
+        pairs = [(p["generate_on"], p["train_on"]) for p in plan["two_nodes"]]
+        plan_topology.add_two_nodes(planned, composed, profiles, pairs=pairs)
         result: dict[str, Any] = {
             "schema": planning.SCHEMA,
             "planned": planned,

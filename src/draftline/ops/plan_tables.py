@@ -212,11 +212,7 @@ def print_two_nodes(console: Any, pair: dict[str, Any]) -> None:
         if not v["train_idle_s"]:
             return "none"
         share = v["train_idle_s"] / v["seconds"]
-        return (
-            f"{duration(v['train_idle_s'])} ({share:.0%})"
-            if share >= 0.005
-            else (f"{duration(v['train_idle_s'])} (<1%)")
-        )
+        return f"{duration(v['train_idle_s'])} ({f'{share:.0%}' if share >= 0.005 else '<1%'})"
 
     waits = "T waits" if pair["bottleneck"] == "generate" else "shards queue"
     rows = [

@@ -197,9 +197,20 @@ def add_two_nodes(
     profiles: dict[str, dict[str, Any]],
     generate_on: str | None = None,
     train_on: str | None = None,
+    pairs: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """The plan with `two_nodes`: one entry per pair `choose_pairs` picks (possibly none)."""
+    """The plan with `two_nodes`: one entry per pair `choose_pairs` picks (possibly none), or per
+    pair of `pairs` the plan has figures for (the estimate-only plan beside a measured one, whose
+    named profile may have figures only from its measurements)."""
     shards = int((params.get("data") or {}).get("num_shards") or 1)
-    pairs = choose_pairs(plan, profiles, generate_on, train_on)
+    if pairs is None:
+        pairs = choose_pairs(plan, profiles, generate_on, train_on)
+    else:
+        pairs = [
+            (g, t)
+            for g, t in pairs
+            if has_figures(plan["profiles"][g], "generate", plan["features"])
+            and has_figures(plan["profiles"][t], "train", plan["features"])
+        ]
     plan["two_nodes"] = [two_nodes(plan, shards, g, t) for g, t in pairs]
     return plan
