@@ -641,6 +641,12 @@ def test_cli_tables_fit_80_columns_with_every_figure_whole(
             for mode in ("offline", "online"):
                 figures.add(plan_tables._money(profile["total"][mode]["cost_usd"]))
                 figures.add(plan_tables.duration(profile["total"][mode]["seconds"]))
+    if not from_metrics:  # the Two-nodes table: b200x8 generating, pro6000x4 training
+        (pair,) = result["two_nodes"]
+        assert "Two nodes: generate on b200x8 (G), train on" in out
+        for view in (pair[key] for key in plan_tables.TWO_NODE_VIEWS):
+            figures.add(plan_tables._money(view["cost_usd"]))
+            figures |= {plan_tables.duration(view[k]) for k in ("seconds", "generate_busy_s")}
     assert len(figures) > 10
     for figure in figures:
         assert figure in out, figure

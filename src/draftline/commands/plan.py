@@ -8,6 +8,11 @@ drafter (docs/pipeline.md, "Results read by `draftline plan`"). Examples:
   draftline plan model=qwen3_6_27b data=sharegpt drafter=dflash_b16
   draftline plan model=qwen3_6_27b drafter=dflash_b16 --samples 914000 --completion-tokens 2500
   draftline plan --from-metrics      # after a run: the plan and the measured figures side by side
+  draftline plan --generate-on b200x8 --train-on pro6000x4   # one node trains while one generates
+
+With two GPU profiles or more, a "Two nodes" table shows one profile generating while another
+trains each shard once it is pushed, beside the sequential runs (by default the fastest
+generator and each other profile; draftline.ops.plan_topology says how it is counted).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import planning
+from draftline.ops import plan_topology, planning
 from draftline.ops.plan_tables import print_comparison, print_plan
 from draftline.runtime import hardware, params, run_log
 
@@ -78,6 +83,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-metrics",
         action="store_true",
         help="show the estimate-only plan and the plan from measured metrics side by side",
+    )
+    parser.add_argument(
+        "--generate-on",
+        metavar="PROFILE",
+        help="Two nodes: the profile that generates (default: the fastest at it)",
+    )
+    parser.add_argument(
+        "--train-on",
+        metavar="PROFILE",
+        help="Two nodes: the profile that trains while it generates (default: each other one)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument(
@@ -166,9 +181,12 @@ def run(args: argparse.Namespace) -> int:
         "time_limit_days": args.time_limit_days,
     }
     plan = planning.build_plan(composed, profiles, metrics, **options)
+    plan_topology.add_two_nodes(plan, composed, profiles, args.generate_on, args.train_on)
     plan["notes"] = notes + plan["notes"]
     if args.from_metrics:
         planned = planning.build_plan(composed, profiles, {}, **options)
+        pairs = [(p["generate_on"], p["train_on"]) for p in plan["two_nodes"]]
+        plan_topology.add_two_nodes(planned, composed, profiles, pairs=pairs)
         result: dict[str, Any] = {
             "schema": planning.SCHEMA,
             "planned": planned,

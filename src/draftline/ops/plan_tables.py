@@ -3,6 +3,7 @@ sources wrapped in their own column, rows in a fixed order. The numbers are `pla
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from draftline.drafter import memory_plan
@@ -106,6 +107,8 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         )
     console.print(generation_line(plan))
     console.print(f"[bold]Serving precision[/]: {plan_figures.precision_text(plan, profiles)}")
+    for pair in plan.get("two_nodes") or []:
+        print_two_nodes(console, pair)
 
     console.print(_throughput_grid(profiles))
     _print_memory(console, plan)
@@ -179,6 +182,96 @@ def _by_profile(
     for label, cells in rows:
         table.add_row(label, *cells)
     return table
+
+
+TWO_NODE_VIEWS = {
+    "overlapped": "overlapped",
+    "generate_node_alone": "G alone",
+    "generate_then_train": "G then T",
+}
+
+
+def print_two_nodes(console: Any, pair: dict[str, Any]) -> None:
+    """Generate on one profile (G) while another trains (T), beside both sequential runs; one
+    column per view, so the figures stay whole in 80 columns."""
+    from rich.table import Table
+
+    g, t = pair["generate_on"], pair["train_on"]
+    table = Table(
+        title=f"Two nodes: generate on {g} (G), train on {t} (T), {pair['shards']} shards",
+        title_justify="left",
+    )
+    table.add_column("", overflow="fold")
+    for label in TWO_NODE_VIEWS.values():
+        table.add_column(label, justify="right", no_wrap=True)
+    views = [pair[key] for key in TWO_NODE_VIEWS]
+
+    def idle(v: dict[str, Any]) -> str:
+        if v["train_idle_s"] is None:
+            return "—"
+        if not v["train_idle_s"]:
+            return "none"
+        share = v["train_idle_s"] / v["seconds"]
+        return f"{duration(v['train_idle_s'])} ({f'{share:.0%}' if share >= 0.005 else '<1%'})"
+
+    waits = "T waits" if pair["bottleneck"] == "generate" else "shards queue"
+    rows = [
+        ("wall time", [duration(v["seconds"]) for v in views]),
+        ("cost", [_money(v["cost_usd"]) for v in views]),
+        ("G busy", [duration(v["generate_busy_s"]) for v in views]),
+        ("T busy", [duration(v["train_busy_s"]) for v in views]),
+        ("T idle", [idle(v) for v in views]),
+        ("who waits", [waits, "—", "T after G"]),
+    ]
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    console.print(table)
+    # Wrapped here, where a figure's no-break space holds it whole ("2.3" then "h" on the next
+    # line otherwise: rich breaks at any space).
+    for line in textwrap.wrap(two_nodes_line(pair), console.width):
+        console.print(line.replace(NBSP, " "), highlight=False)
+
+
+NBSP = "\u00a0"
+
+
+def _whole(seconds: float) -> str:
+    return duration(seconds).replace(" ", NBSP)
+
+
+def two_nodes_line(pair: dict[str, Any]) -> str:
+    """Which node waits for which in the overlapped run, and how it compares (each figure held
+    together by a no-break space)."""
+    g, t, shard = pair["generate_on"], pair["train_on"], pair["per_shard"]
+    over = pair["overlapped"]
+    gen_s, work_s = shard["generate_s"], shard["extract_s"] + shard["train_first_epoch_s"]
+    work = "extracts and trains" if shard["extract_s"] else "trains"
+    per_shard = (
+        f"{g} generates a shard in {_whole(gen_s)}, {t} {work} its first epoch on it in "
+        f"{_whole(work_s)}"
+    )
+    if pair["bottleneck"] == "generate":
+        text = (
+            f"Overlapped: generation is the bottleneck ({per_shard}): {t} waits for each shard, "
+            f"idle {over['train_idle_share']:.0%} of the wall time (the first shard's wait "
+            "included)"
+        )
+    else:
+        text = (
+            f"Overlapped: training is the bottleneck ({per_shard}): shards queue up and {g} is "
+            f"given back {_whole(over['generator_early_s'])} before the first epoch ends"
+        )
+    remaining = pair["epochs"] - 1
+    if remaining:
+        text += (
+            f"; then {t} trains the {remaining} other epochs over all shards in "
+            f"{_whole(over['remaining_train_s'])}"
+        )
+    ratios = (
+        f"{over['seconds'] / pair[key]['seconds']:.2f}x that of {TWO_NODE_VIEWS[key]}"
+        for key in ("generate_node_alone", "generate_then_train")
+    )
+    return f"{text}. Overlapped wall time: {', '.join(ratios)}."
 
 
 def _memory_cell(info: dict[str, Any] | None) -> str:
