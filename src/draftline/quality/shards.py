@@ -17,16 +17,31 @@ from draftline.quality import checks, turns
 
 def expected_rows(curate_summary: Path, shard_ids: list[int]) -> dict[int, int]:
     """Curated train rows per shard, from curate's metrics; the shards must match params."""
-    if not curate_summary.is_file():
-        raise SystemExit(f"validate: {curate_summary} not found: run `dvc repro curate` first")
-    data = json.loads(curate_summary.read_text(encoding="utf-8"))
-    per_shard = {int(k): int(n) for k, n in (data.get("shard_rows") or {}).items()}
+    per_shard = _curated_rows(curate_summary)
     if sorted(per_shard) != shard_ids:
         raise SystemExit(
             f"validate: {curate_summary} has shards {sorted(per_shard)} but params.yaml has "
             f"data.shard_ids={shard_ids}: run `dvc repro curate` with the current params"
         )
     return per_shard
+
+
+def expected_shard_rows(curate_summary: Path, shard: int) -> int:
+    """Curated train rows of one shard, from curate's metrics (`validate --shard`)."""
+    per_shard = _curated_rows(curate_summary)
+    if shard not in per_shard:
+        raise SystemExit(
+            f"validate: {curate_summary} has shards {sorted(per_shard)}, not {shard}: pick one "
+            "of data.shard_ids, or run `dvc repro curate` with the current params"
+        )
+    return per_shard[shard]
+
+
+def _curated_rows(curate_summary: Path) -> dict[int, int]:
+    if not curate_summary.is_file():
+        raise SystemExit(f"validate: {curate_summary} not found: run `dvc repro curate` first")
+    data = json.loads(curate_summary.read_text(encoding="utf-8"))
+    return {int(k): int(n) for k, n in (data.get("shard_rows") or {}).items()}
 
 
 def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:

@@ -9,22 +9,36 @@ On success writes `data/validated/verdict.json`, which `extract` depends on. On 
 the failed expectations, removes any stale verdict and exits 1: DVC records nothing for a
 failed stage, and no verdict file exists that a later stage (or a person) could mistake for a
 pass. Reports, metrics and plots are written either way, so the failure can be read.
+
+`--shard K` (stage `validate_shard@K`) judges generated train shard K alone, so training can
+follow generation shard by shard; how a shard is judged is `draftline.quality.shard_gate`. On
+success it writes `data/validated/shards/shard-K.json`; on failure it prints the failed
+expectations, removes any stale shard verdict and exits 1. GX results and Data Docs go under
+`reports/validate/shards/shard-K/` (a report, not a DVC output, as for the whole run); the
+whole run's metrics, plots and reports are left alone.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from draftline.quality import checks
 from draftline.quality.report import validate_metrics, write_plots
-from draftline.quality.shards import expected_rows, read_scalar_columns, shard_paths
+from draftline.quality.shards import (
+    expected_rows,
+    expected_shard_rows,
+    read_scalar_columns,
+    shard_paths,
+)
 from draftline.runtime import atomic, run_log
 from draftline.runtime import params as params_mod
 
 GENERATED_DIR = "data/generated/train"
 CURATE_SUMMARY = "data/curated/summary.json"
 VERDICT_PATH = "data/validated/verdict.json"
+SHARD_VERDICTS = "data/validated/shards"
 METRICS_PATH = "metrics/validate.json"
 PLOTS_DIR = "plots/validate"
 REPORT_DIR = "reports/validate"
@@ -49,12 +63,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", default=PLOTS_DIR, help=f"folder of plot CSVs ({PLOTS_DIR})")
     parser.add_argument("--reports", default=REPORT_DIR, help="GX results and Data Docs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--shard",
+        type=int,
+        default=None,
+        metavar="K",
+        help="validate generated train shard K alone (stage validate_shard@K)",
+    )
+    parser.add_argument(
+        "--shard-verdicts",
+        default=SHARD_VERDICTS,
+        help=f"folder of shard verdicts, shard-K.json ({SHARD_VERDICTS})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    if args.shard is not None:
+        return run_shard(args, console)
     verdict_path = Path(args.verdict)
     verdict_path.unlink(missing_ok=True)  # a failure below must not leave an old pass behind
 
@@ -118,5 +146,50 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"[bold green]validate: passed[/] {len(outcome.results)} checks on {len(table)} samples "
         f"-> {verdict_path}; Data Docs: {docs}"
+    )
+    return 0
+
+
+def run_shard(args: argparse.Namespace, console: Any) -> int:
+    """`validate --shard K`: one shard's verdict (see the module docstring)."""
+    from draftline.quality import shard_gate, validation
+
+    shard = int(args.shard)
+    verdict_path = Path(args.shard_verdicts) / f"shard-{shard}.json"
+    verdict_path.unlink(missing_ok=True)  # a failure below must not leave an old pass behind
+
+    p = params_mod.load(args.params)
+    expected = expected_shard_rows(Path(args.curate_summary), shard)
+    paths = shard_paths(Path(args.generated), [shard])
+    table = read_scalar_columns(paths, progress=False)
+    thinking = checks.thinking_enabled(p)
+    report_dir = Path(args.reports) / "shards" / f"shard-{shard}"
+    outcome = validation.run_suite(
+        table, p["quality"], thinking=thinking, expected_rows=expected, report_dir=report_dir
+    )
+    judgement = shard_gate.judge(
+        table, p["quality"], thinking=thinking, expected_rows=expected, results=outcome.results
+    )
+    verdict = shard_gate.verdict(
+        shard, paths[0].name, len(table), judgement, validation.SUITES.values()
+    )
+    atomic.write_json(report_dir / SUMMARY_NAME, verdict)  # the decision beside GX's results
+
+    where = f"Results: {report_dir / SUMMARY_NAME}, Data Docs: {outcome.docs_index}"
+    if not judgement.passed:
+        console.print(validation.failure_table(judgement.results))
+        if len(table) != expected:
+            console.print(f"shard {shard}: {expected} curated rows, {len(table)} generated")
+        console.print(
+            f"[bold red]validate shard {shard}: FAILED[/] {len(verdict['failed_checks'])} of "
+            f"{len(judgement.results)} checks on {len(table)} samples; nothing trains on this "
+            f"shard. {where}"
+        )
+        return 1
+    atomic.write_json(verdict_path, verdict)
+    noise = f" ({len(judgement.noise)} within sampling noise)" if judgement.noise else ""
+    console.print(
+        f"[bold green]validate shard {shard}: passed[/] {len(judgement.results)} checks{noise} "
+        f"on {len(table)} samples -> {verdict_path}; {where}"
     )
     return 0
