@@ -26,7 +26,8 @@ RESULT_KEYS = (
     "features", "num_sequences", "num_tokens", "num_supervised_tokens", "num_packs",
     "dropped", "truncated_sequences", "bytes_per_token",
 )  # fmt: skip
-# What `dvc exp show` compares (the rest is in reports/extract.json).
+# What `dvc exp show` compares when one folder holds every shard (the rest is in the report);
+# a shard's extraction (`--shard`) writes only its report, reports/extract/shard-K.json.
 COMPARE_KEYS = ("num_supervised_tokens", "num_tokens")
 
 
