@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,6 @@ from helpers.tiny_pipeline import base_env, clone_node, make_origin, run, salvag
 
 HF_TOKEN = "hf_SalvageTestToken_9d8c7b6a"
 DB_PASSWORD = "pw-salvage-4711-private"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[S3Server]:
-    s3 = S3Server()
-    s3.start()
-    yield s3
-    s3.stop()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,6 @@ EXPERIMENTS = {
     "ep-two": ["drafter.epochs=1", "drafter.max_length=64", "drafter.lr=0.001"],
 }
 DRAFTER = "models/drafter"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[S3Server]:
-    s3 = S3Server()
-    s3.start()
-    yield s3
-    s3.stop()
 
 
 def point_at(repo: Path, env: dict[str, str], server: S3Server, bucket: str) -> None:

@@ -390,6 +390,8 @@ def run_shard(
         {
             "wall_s": round(own.prior_wall + run_wall - ahead_s, 3),
             "resumed_samples": own.resumed,
+            # Turns read back from the journal: with the generated ones, every turn once.
+            "resumed_turns": own.resumed_turns,
             "generated_turns": own.generated_turns,
             "turns": sum(r["turns"] for r in ordered),
             # Every turn's prompt (what the engine prefilled): `draftline plan` reads it.
