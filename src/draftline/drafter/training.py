@@ -379,7 +379,11 @@ def train(
                 )
         if segment.save_to is not None:
             # The link's state, the next stage's start (DVC caches and pushes it).
-            checkpoints.save(segment.save_to, drafter, optimizer, progress(steps.stop, chain_fp))
+            # Without the wall-time counters, so the same training writes the same bytes (DVC
+            # hashes it); the last stage measures its own tokens per second.
+            state = progress(steps.stop, chain_fp)
+            state.pop("seconds"), state.pop("tokens")
+            checkpoints.save(segment.save_to, drafter, optimizer, state)
             if run.checkpoint_path is not None:
                 checkpoints.remove(run.checkpoint_path)  # the output holds the same state
     finally:
