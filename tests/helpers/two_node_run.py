@@ -67,8 +67,18 @@ def start(node: Path, env: dict[str, str], *args: str, log: str) -> subprocess.P
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
+    """kill -9 the whole process group, and wait until every process of it is gone (a DVC
+    still dying would hold its stage locks against the restart)."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process group {proc.pid} still alive 60 s after SIGKILL")
 
 
 def wait_for(
