@@ -69,6 +69,7 @@ def save(
         dcp.save(_state(model, optimizer), checkpoint_id=str(staging))
     distributed.barrier()
     if main:
+        _fixed_save_id(staging, f"{progress.get('fingerprint')}-{progress['step']}")
         with open(staging / PROGRESS_FILE, "wb") as f:
             torch.save(progress, f)
             f.flush()
@@ -80,6 +81,25 @@ def save(
         os.replace(staging, path)
         shutil.rmtree(aside, ignore_errors=True)
     distributed.barrier()
+
+
+def _fixed_save_id(folder: Path, save_id: str) -> None:
+    """DCP stamps a random uuid (`save_id`) and the folder it wrote (a temporary name) into the
+    folder's `.metadata`: replaced by an id derived from what was saved and no folder, so the
+    same state is the same bytes (a link's state is a DVC
+    output, hashed and compared across nodes). DCP reads and writes that file with pickle."""
+    import pickle
+
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # noqa: S301 (DCP's own file, just written here)
+    if metadata.storage_meta is not None:
+        metadata.storage_meta.save_id = save_id
+        metadata.storage_meta.checkpoint_id = None
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_progress(path: Path | None) -> tuple[Path, dict[str, Any]] | None:
