@@ -12,9 +12,12 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import two_node_run as two
 from helpers.s3_server import S3Server
+
+pytestmark = pytest.mark.two_nodes
 
 GEN_LOG, TRAIN_LOG = "lead.log", "follow.log"
 
