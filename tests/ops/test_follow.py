@@ -1,0 +1,223 @@
+"""`draftline lead` and `draftline follow` on a stand-in pipeline: the real stage names and DAG
+shape (curate, generate@k, generate_eval, validate_shard@k, extract@k, train_shard@k, validate,
+train, evaluate) with trivial commands, so the two-node protocol (real git origin, real DVC,
+moto's S3 server as the remote) runs in seconds. The real stages are in test_two_nodes.py.
+The stand-in's generation refuses to run on the training node (a marker file there), so a
+follower that ever generated would fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+from helpers.s3_server import S3Server
+from helpers.tiny_pipeline import base_env, clone_node, run
+
+SHARDS = 3
+
+STEP = """\
+import os, sys, time
+stage, *rest = sys.argv[1:]
+k = rest[0] if rest else None
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").write(text)
+if stage == "curate":
+    lines = open("source.txt").read().split()
+    for i in range({shards}):
+        write(f"data/curated/shard-{{i}}.txt", lines[i] + "\\n")
+    write("reports/curate.json", '{{"rows": %d}}\\n' % len(lines))
+elif stage in ("generate", "generate_eval"):
+    if os.path.exists(".training-node"):
+        sys.exit("generation ran on the training node")
+    time.sleep(float(os.environ.get("STEP_PACE_S", "0")))
+    if stage == "generate":
+        write(f"data/generated/shard-{{k}}.txt", open(f"data/curated/shard-{{k}}.txt").read() * 2)
+    else:
+        write("data/generated/eval.txt", "eval\\n")
+elif stage == "validate_shard":
+    text = open(f"data/generated/shard-{{k}}.txt").read()
+    if "BAD" in text:
+        sys.exit(f"shard {{k}}: empty responses (87% of rows)")
+    write(f"data/validated/shard-{{k}}.txt", "passed\\n")
+elif stage == "extract":
+    write(f"data/extracted/shard-{{k}}.txt", open(f"data/generated/shard-{{k}}.txt").read().upper())
+elif stage == "train_shard":
+    write(f"models/chain/shard-{{k}}.txt", open(f"data/extracted/shard-{{k}}.txt").read())
+elif stage == "validate":
+    write("data/validated/all.txt", "passed\\n")
+elif stage == "train":
+    chain = sorted(c for c in os.listdir("models/chain") if c.endswith(".txt"))
+    write("models/drafter.txt", "".join(open("models/chain/" + c).read() for c in chain))
+elif stage == "evaluate":
+    write("metrics/evaluate.json", '{{"tau": 2.0}}\\n')
+"""
+
+DVC_YAML = """\
+stages:
+  curate:
+    cmd: python step.py curate
+    deps: [step.py, source.txt]
+    params: [data.num_shards]
+    outs:
+      - data/curated
+      - reports/curate.json:
+          cache: false
+  generate:
+    foreach: ${data.shard_ids}
+    do:
+      cmd: python step.py generate ${item}
+      deps:
+        - step.py
+        - data/curated/shard-${item}.txt
+      outs:
+        - data/generated/shard-${item}.txt
+  generate_eval:
+    cmd: python step.py generate_eval
+    deps: [step.py, data/curated]
+    outs: [data/generated/eval.txt]
+  validate_shard:
+    foreach: ${data.shard_ids}
+    do:
+      cmd: python step.py validate_shard ${item}
+      deps:
+        - step.py
+        - data/generated/shard-${item}.txt
+      outs:
+        - data/validated/shard-${item}.txt
+  extract:
+    foreach: ${data.shard_ids}
+    do:
+      cmd: python step.py extract ${item}
+      deps:
+        - step.py
+        - data/generated/shard-${item}.txt
+        - data/validated/shard-${item}.txt
+      outs:
+        - data/extracted/shard-${item}.txt
+  train_shard:
+    foreach: ${data.shard_ids}
+    do:
+      cmd: python step.py train_shard ${item}
+      deps:
+        - step.py
+        - data/extracted/shard-${item}.txt
+      outs:
+        - models/chain/shard-${item}.txt
+  validate:
+    cmd: python step.py validate
+    deps: [step.py, data/generated]
+    outs: [data/validated/all.txt]
+  train:
+    cmd: python step.py train
+    deps: [step.py, models/chain, data/validated/all.txt]
+    outs: [models/drafter.txt]
+  evaluate:
+    cmd: python step.py evaluate
+    deps: [step.py, models/drafter.txt]
+    outs:
+      - metrics/evaluate.json:
+          cache: false
+"""
+
+
+def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
+    work = tmp / "seed"
+    work.mkdir()
+    run(["git", "init", "-q", "-b", "main"], work, env)
+    run(["dvc", "init", "-q"], work, env)
+    root = Path(__file__).resolve().parents[2]
+    (work / ".dvc" / "config").write_text((root / ".dvc" / "config").read_text())
+    (work / "step.py").write_text(STEP.format(shards=SHARDS))
+    (work / "dvc.yaml").write_text(DVC_YAML)
+    (work / "source.txt").write_text(source)
+    params = {"data": {"num_shards": SHARDS, "shard_ids": list(range(SHARDS))}, "hardware": {}}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    (work / ".gitignore").write_text(".draftline/\nlogs/\n.training-node\n*.log\n")
+    run(["git", "add", "-A"], work, env)
+    run(["git", "commit", "-qm", "pipeline"], work, env)
+    origin = tmp / "origin.git"
+    run(["git", "clone", "-q", "--bare", str(work), str(origin)], tmp, env)
+    return origin
+
+
+def nodes(tmp: Path, server: S3Server, source: str) -> tuple[Path, Path, dict[str, str]]:
+    env = base_env(tmp, server)
+    bucket = f"follow-{uuid.uuid4().hex[:12]}"
+    server.create_bucket(bucket)
+    origin = make_origin(tmp, env, source)
+    gen = clone_node(origin, tmp / "gen", env, server, bucket)
+    train = clone_node(origin, tmp / "train", env, server, bucket)
+    (train / ".training-node").write_text("")
+    return gen, train, env
+
+
+def draftline(node: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "draftline", *args, "--run", "r"],
+        cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def lock(node: Path) -> dict:
+    return yaml.safe_load((node / "dvc.lock").read_text())["stages"]
+
+
+def test_the_follower_trains_each_shard_as_it_arrives_and_never_generates(
+    tmp_path: Path, server: S3Server
+) -> None:
+    gen, train, env = nodes(tmp_path, server, "a b c\n")
+    follow = draftline(train, env, "follow", "--poll-s", "0.5")
+    lead = draftline(gen, {**env, "STEP_PACE_S": "4"}, "lead")
+    lead_out, _ = lead.communicate(timeout=600)
+    if lead.returncode:
+        follow.kill()  # it would wait for shards that never come
+    assert lead.returncode == 0, lead_out
+    follow_out, _ = follow.communicate(timeout=600)
+    assert follow.returncode == 0, follow_out
+    assert "waiting for generate@" in follow_out  # it waited rather than generated
+    # Shard 0's link trained before the last shard was generated: it followed.
+    assert follow_out.index("train_shard@0: done") < follow_out.index(f"took generate@{SHARDS - 1}")
+    assert (train / "models/drafter.txt").read_text() == "A\nA\nB\nB\nC\nC\n"
+    # Every stage the generator recorded is in the follower's lock as it was written there.
+    theirs, ours = lock(gen), lock(train)
+    assert set(theirs) == {"curate", "generate_eval", *(f"generate@{k}" for k in range(SHARDS))}
+    assert all(ours[name] == entry for name, entry in theirs.items())
+    assert {"train", "evaluate", f"train_shard@{SHARDS - 1}"} <= set(ours)
+    # The curate report travelled by git; the generator's branch is merged into the follower's.
+    assert (train / "reports/curate.json").read_text() == '{"rows": 3}\n'
+    run(["git", "fetch", "-q", "origin"], train, env)
+    merged = ["git", "merge-base", "--is-ancestor", "origin/generate/r", "origin/train/r"]
+    assert run(merged, train, env, check=False).returncode == 0
+
+
+def test_a_shard_that_fails_validation_stops_the_follower_before_its_link(
+    tmp_path: Path, server: S3Server
+) -> None:
+    gen, train, env = nodes(tmp_path, server, "a BAD c\n")
+    lead = draftline(gen, env, "lead")
+    assert lead.wait(timeout=600) == 0
+    follow = draftline(train, env, "follow", "--poll-s", "0.5")
+    out, _ = follow.communicate(timeout=600)
+    assert follow.returncode == 1, out
+    assert "validate_shard@1 failed" in out and "empty responses" in out
+    assert "train_shard@0: done" in out and "train_shard@1" not in out
+    assert not (train / "models/chain/shard-1.txt").exists()
+
+
+def test_a_follower_with_other_params_stops_naming_them(tmp_path: Path, server: S3Server) -> None:
+    gen, train, env = nodes(tmp_path, server, "a b c\n")
+    params = yaml.safe_load((train / "params.yaml").read_text())
+    params["drafter"] = {"lr": 0.1}  # what it trains differs from what the generator planned
+    params["hardware"] = {"name": "pro6000x4"}  # hardware may differ
+    (train / "params.yaml").write_text(yaml.safe_dump(params))
+    assert draftline(gen, env, "lead").wait(timeout=600) == 0
+    follow = draftline(train, env, "follow", "--poll-s", "0.5")
+    out, _ = follow.communicate(timeout=600)
+    assert follow.returncode == 1, out
+    named = out.split("differs from this node's in ")[1].split(":")[0]
+    assert named == "drafter.lr", out  # hardware differs too, and is allowed to
+    assert not (train / "data/generated").exists()
