@@ -34,6 +34,15 @@ EMBEDDED = pytest.mark.xdist_group("embedded-default")
 TWIN = pytest.mark.xdist_group("qwen36-twin")
 
 
+# Every stage of the pipeline on 4 shards: per shard, generation, validation, extraction and
+# the training link; then the whole-run gate, the rest of training and evaluate.
+ALL_STAGES = {
+    "curate", "generate_eval", "validate", "train", "evaluate",
+    *(f"{stage}@{k}" for stage in ("generate", "validate_shard", "extract", "train_shard")
+      for k in range(4)),
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     shared = embedded_default(tmp_path_factory)
@@ -50,11 +59,7 @@ def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
     """Slow for the first embedded test (~3.5 min): the session's one `dvc repro` of the
     embedded default, which the other tests here and in test_new_node read."""
     repo, out = finished
-    assert set(ran_stages(out)) == {
-        "curate", "generate_eval", "validate", "train", "evaluate",
-        *(f"{stage}@{k}" for stage in ("generate", "validate_shard", "extract", "train_shard")
-          for k in range(4)),
-    }  # fmt: skip
+    assert set(ran_stages(out)) == ALL_STAGES
     verdict = json.loads((repo / "metrics/validate.json").read_text())
     assert verdict["passed"] is True
     ev = json.loads((repo / "reports/evaluate.json").read_text())
@@ -130,9 +135,9 @@ def test_exp_show_is_narrow_and_a_rerun_changes_no_result(finished):
     # loss lead (the first 8 columns of a plain `dvc exp show`), then the data stages' figures.
     assert header[:8] == ["Experiment", "rev", "typ", "Created", "parent", "tau", "tau_sampled",
                           "final_loss"], header  # fmt: skip
-    assert header[8 : 5 + 13] == [
+    assert header[8 : 5 + 11] == [
         "final_accuracy", "eval_rows", "reject_rate", "train_rows", "completion_tokens_mean",
-        "num_samples", "passed", "supervised_tokens_mean", "num_supervised_tokens", "num_tokens",
+        "num_samples", "passed", "supervised_tokens_mean",
     ], header  # fmt: skip
     # Every result and what it ran on are kept beside them, tracked; timings outside git.
     report = json.loads((repo / "reports/curate.json").read_text())
@@ -144,8 +149,9 @@ def test_exp_show_is_narrow_and_a_rerun_changes_no_result(finished):
     # generate, validate) are compared with the committed dvc.lock, made on another machine
     # and run, by test_another_processor_gives_the_same_data_and_tau_within_the_bound.
     before, lock = tracked_outputs(repo), (repo / "dvc.lock").read_bytes()
-    stages = ["validate", "extract", "evaluate"]
-    assert ran_stages(run(["dvc", "repro", "-f", "-s", *stages], repo).stdout) == stages
+    stages = ["validate", "extract@0", "extract@1", "extract@2", "extract@3", "evaluate"]
+    rerun = ran_stages(run(["dvc", "repro", "-f", "-s", *stages], repo).stdout)
+    assert sorted(rerun) == sorted(stages), rerun
     after = tracked_outputs(repo)
     # Not even an output hash moves (GX's report, with its run ids, is not a DVC output).
     assert (repo / "dvc.lock").read_bytes() == lock
@@ -289,7 +295,7 @@ def test_target_is_keyed_by_its_files_not_its_path(finished, tmp_path):
         weights.write_bytes(bytes(data))
         run(["draftline", "compose", f"model.path={elsewhere}"], repo)
         stale = set(json.loads(run(["dvc", "status", "--json"], repo).stdout))
-        assert {"curate", "generate@0", "generate_eval", "extract", "train", "evaluate"} <= stale
+        assert {"curate", "generate@0", "generate_eval", "extract@0", "train", "evaluate"} <= stale
     finally:
         run(["draftline", "compose"], repo)
 
@@ -337,10 +343,6 @@ def test_another_processor_gives_the_same_data_and_tau_within_the_bound(finished
 
 
 # The Qwen3.6 twin (models/tiny-qwen36): the production target's layout in miniature, end to end.
-ALL_STAGES = {
-    "curate", "generate@0", "generate@1", "generate@2", "generate@3", "generate_eval",
-    "validate", "extract", "train", "evaluate",
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +442,7 @@ def test_the_twin_trains_with_online_features(twin, tmp_path):
     overrides = ["model=tiny_qwen36", "extract.features=online", "drafter.epochs=4"]
     run(["draftline", "compose", *overrides], repo)
     done = run(["dvc", "repro", "evaluate"], repo)
-    assert {"extract", "train", "evaluate"} <= set(ran_stages(done.stdout))
+    assert {"extract@0", "train_shard@0", "train", "evaluate"} <= set(ran_stages(done.stdout))
     ev = json.loads((repo / "reports/evaluate.json").read_text())
     assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
 

@@ -168,7 +168,8 @@ def test_pull_with_allow_missing_runs_the_missing_shards_and_refuses_a_partial_v
     done = story.b_pull_allow_missing
     out = output(done)
     assert done.returncode != 0, out
-    assert ran_stages(done.stdout) == ["generate@2", "generate@3", "validate"]
+    ran = ran_stages(done.stdout)  # the two shards in DVC's graph order, then validate
+    assert sorted(ran[:-1]) == ["generate@2", "generate@3"] and ran[-1] == "validate", ran
     assert "validate: refusing to run on inputs that do not match dvc.lock" in out
     for k in (0, 1):
         assert f"data/generated/train/shard-{k}.parquet (output of generate@{k}): missing" in out

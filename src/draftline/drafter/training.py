@@ -244,7 +244,7 @@ def train(
             f"{world.size} processes: choose a multiple of the world size"
         )
     chain_fp = chain_fingerprint(model, hp)
-    plan, loaded, steps, before = _plan(segment, data, hp, chain_fp)
+    plan, loaded, steps, start = _plan(segment, data, hp, chain_fp)
 
     layer_ids = [int(i) for i in model["target_layer_ids"]]
     target_lm = None
@@ -262,9 +262,10 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(plan.total_steps, hp.warmup_ratio)
     )
-    # A working checkpoint resumes only this segment, from this start, on this data.
+    # A working checkpoint resumes only this segment, from this very start state (its bytes: a
+    # chain retrained by other code is another start), on this data.
     fingerprint = hashlib.sha256(
-        f"{run_fingerprint(model, hp, data)}|{segment.describe()}|{before}".encode()
+        f"{run_fingerprint(model, hp, data)}|{segment.describe()}|{start}".encode()
     ).hexdigest()[:16]
     state = checkpoints.load(run.checkpoint_path, drafter, optimizer, fingerprint)
     if state is None and segment.start_from is not None:
@@ -406,9 +407,9 @@ def train(
 
 def _plan(
     segment: Segment, data: ExtractedData, hp: Hyperparameters, chain_fp: str
-) -> tuple[StepPlan, list[int], range, int]:
+) -> tuple[StepPlan, list[int], range, str]:
     """The run's step plan as this segment sees it, the shard of each loaded data folder, the
-    steps the segment trains, and the step it starts from."""
+    steps the segment trains, and the identity of the state it starts from."""
     if segment.start_from is not None:
         found = checkpoints.read_progress(segment.start_from)
         if found is None:
@@ -416,24 +417,24 @@ def _plan(
                 f"{segment.start_from}: no training state there: the previous link has not "
                 "run (dvc repro train_shard@N, N the shard before)"
             )
-        progress = found[1]
+        folder, progress = found
         if progress.get("fingerprint") != chain_fp:
             raise SystemExit(
                 f"{segment.start_from}: a state of another run (other drafter params or "
                 "target): rerun the chain from its first link (dvc repro train_shard@0)"
             )
         plan = StepPlan.from_state(progress["plan"])
-        before = int(progress["step"])
+        start = hashlib.sha256((folder / checkpoints.PROGRESS_FILE).read_bytes()).hexdigest()
     else:
         if segment.link not in (None, 0) or segment.after_chain:
             raise ValueError(f"{segment.describe()} needs the state the link before it left")
         rows = segment.planned_rows if segment.planned_rows is not None else len(data)
         plan = StepPlan.planned(rows, hp.epochs, hp.global_batch_size, hp.seed)
-        before = 0
+        start = "fresh"
     sizes = data.sizes()
     if segment.link is not None:
         steps = plan.add_shard(segment.link, len(data))
-        return plan, [segment.link], steps, before
+        return plan, [segment.link], steps, start
     if segment.after_chain:
         if plan.shard_sizes != sizes:
             raise SystemExit(
@@ -441,10 +442,10 @@ def _plan(
                 f"{plan.shard_sizes}: a shard changed after its link trained on it; rerun "
                 "its extract and the chain from there (dvc repro)"
             )
-        return plan, list(range(len(sizes))), plan.rest_steps(), before
+        return plan, list(range(len(sizes))), plan.rest_steps(), start
     for shard, usable in enumerate(sizes):
         plan.add_shard(shard, usable)
-    return plan, list(range(len(sizes))), range(0, plan.total_steps), before
+    return plan, list(range(len(sizes))), range(0, plan.total_steps), start
 
 
 def _whole(drafter: DFlashDrafter, head: Any, world: World) -> DFlashDrafter:

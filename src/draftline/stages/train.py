@@ -144,10 +144,11 @@ def _segment(args: argparse.Namespace, shard_ids: list[int]) -> tuple[list[Path]
             planned_rows=planned_rows(Path(args.curate_summary)) if before is None else None,
             save_to=shard_folder(chain, k),
         )
-    if (data / INDEX_NAME).is_file():  # one extraction folder: the whole run in one go
-        return [data], Segment()
+    shards = [shard_folder(data, k) for k in shard_ids]
+    if (data / INDEX_NAME).is_file() and not any(f.exists() for f in shards):
+        return [data], Segment()  # one extraction folder (no shard folders): a whole run
     last = shard_folder(chain, shard_ids[-1])
-    return [shard_folder(data, k) for k in shard_ids], Segment(after_chain=True, start_from=last)
+    return shards, Segment(after_chain=True, start_from=last)
 
 
 def _working_checkpoint(path: Path, shard: int | None) -> Path:
