@@ -21,7 +21,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,6 @@ class Node:
     out: Callable[[str], None] = print
     remote: str = "origin"
     role: str = "generate"
-    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def generate_branch(self) -> str:
@@ -207,23 +206,24 @@ def _show(node: Node, ref: str, path: str) -> str | None:
 
 
 def _what(params: dict[str, Any]) -> dict[str, Any]:
-    """Params that decide results: everything but the hardware profile (how, never what)."""
-    return {k: v for k, v in params.items() if k != "hardware"}
+    """Params that decide results, as dotted keys one level deep (`drafter.lr`): everything
+    but the hardware profile (how, never what)."""
+    return {
+        f"{group}.{key}" if isinstance(values, dict) else group: value
+        for group, values in params.items()
+        if group != "hardware"
+        for key, value in (values.items() if isinstance(values, dict) else [(None, values)])
+    }
 
 
 def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
     """Take the generator's finished stages as they are: their lock entries, their git-tracked
     outputs from its branch, their cached outputs from the DVC remote; then check DVC sees
     them up to date here (same code, same params)."""
-    theirs = yaml.safe_load(_show(node, ref, "params.yaml") or "{}") or {}
-    ours = yaml.safe_load((node.root / "params.yaml").read_text(encoding="utf-8")) or {}
-    if _what(theirs) != _what(ours):
-        differ = sorted(
-            f"{k}.{kk}"
-            for k in {*_what(theirs), *_what(ours)}
-            for kk in {*(theirs.get(k) or {}), *(ours.get(k) or {})}
-            if (theirs.get(k) or {}).get(kk) != (ours.get(k) or {}).get(kk)
-        )
+    theirs = _what(yaml.safe_load(_show(node, ref, "params.yaml") or "{}") or {})
+    ours = _what(yaml.safe_load((node.root / "params.yaml").read_text(encoding="utf-8")) or {})
+    if theirs != ours:
+        differ = [k for k in sorted({*theirs, *ours}) if theirs.get(k) != ours.get(k)]
         raise StageFailed(
             f"the generating node's params.yaml differs from this node's in {', '.join(differ)}"
             ": compose the same model, data and drafter on both (only hardware may differ)"
