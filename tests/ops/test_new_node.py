@@ -8,15 +8,18 @@ generate@2 without its curated input, and `--pull --allow-missing` runs the two 
 (DVC pulls the inputs of stages it runs) and then starts validate on a folder without the
 shards A finished; the input guard refuses both before they read anything. `dvc repro --pull`
 then restores what A finished and runs only validate. No stage runs twice anywhere, and the
-result equals one uninterrupted run: the session's run of the embedded default
-(helpers/embedded_run.py), shared with tests/test_pipeline.py.
+result equals one uninterrupted run: the committed dvc.lock and metrics of the embedded default
+(what a fresh `dvc repro` records on any processor: tests/test_pipeline.py checks the session's
+own run against them).
 
-The story runs once (module fixture, a few minutes on CPU); the tests read its record.
+The story runs once (module fixture, about a minute on CPU) and its tests stay on one xdist
+worker, so it is not run again on another; the tests read its record.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import uuid
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.embedded_run import copy_project, embedded_default, ran_stages
+from helpers.embedded_run import ROOT, copy_project, ran_stages
 from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, clone_node, run, salvage
 
@@ -38,6 +41,7 @@ DETERMINISTIC = (
     *(f"data/generated/train/shard-{k}.parquet" for k in range(4)),
     "data/validated/verdict.json",
 )
+pytestmark = pytest.mark.xdist_group("new-node")
 # One generation batch per shard: hardware keys change how, never what (outputs are equal).
 BATCH_SIZE = 96
 
@@ -153,11 +157,12 @@ def test_node_a_salvage_pushes_two_of_four_shards_and_commits_lock_and_metrics(
 
 def test_allow_missing_without_pull_fails_before_running_anything(story: Story) -> None:
     # DVC skips curate and the finished shards (outputs missing, nothing else changed) and
-    # then cannot hash generate@2's curated input, which was never restored: nothing runs.
+    # then cannot hash the curated input of generate@2 or generate@3 (whichever DVC reaches
+    # first: the two are independent), which was never restored: nothing runs.
     done = story.b_allow_missing
     assert done.returncode != 0, output(done)
     assert ran_stages(done.stdout) == []
-    assert "data/curated/train/shard-2.parquet" in output(done)
+    assert re.search(r"data/curated/train/shard-[23]\.parquet", output(done)), output(done)
 
 
 def test_pull_with_allow_missing_runs_the_missing_shards_and_refuses_a_partial_validate(
@@ -199,13 +204,10 @@ def test_repro_pull_restores_what_a_finished_and_runs_only_the_rest(story: Story
     assert "up to date" in dvc(story.node_b, story.env, "status", "validate").stdout
 
 
-def test_the_resumed_result_equals_one_uninterrupted_run(
-    story: Story, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """Node B's result against one uninterrupted `dvc repro` of the same project (another
-    local batch size: hardware changes how, never what). Slow when it is the first to need the
-    session's embedded run (~3 min): it waits for that run, shared with test_pipeline."""
-    reference = embedded_default(tmp_path_factory).snapshot
+def test_the_resumed_result_equals_one_uninterrupted_run(story: Story) -> None:
+    """Node B's result against one uninterrupted `dvc repro` of the same project, as committed
+    (another local batch size: hardware changes how, never what)."""
+    reference = ROOT
     resumed = recorded_hashes(story.node_b)
     uninterrupted = {
         out["path"]: out["md5"]
