@@ -145,11 +145,12 @@ def test_exp_show_is_narrow_and_a_rerun_changes_no_result(finished):
     assert json.loads((repo / "reports/throughput.json").read_text())["train"]["tokens_per_s"]
     assert (repo / "logs/runs/train.json").is_file()
 
-    # The stages computed in floats rerun here, on the same machine; the data stages (curate,
-    # generate, validate) are compared with the committed dvc.lock, made on another machine
-    # and run, by test_another_processor_gives_the_same_data_and_tau_within_the_bound.
+    # The stages computed in floats rerun here, on the same machine (one extraction stands for
+    # the four: the same code on another shard); the data stages (curate, generate, validate)
+    # are compared with the committed dvc.lock, made on another machine and run, by
+    # test_another_processor_gives_the_same_data_and_tau_within_the_bound.
     before, lock = tracked_outputs(repo), (repo / "dvc.lock").read_bytes()
-    stages = ["validate", "extract@0", "extract@1", "extract@2", "extract@3", "evaluate"]
+    stages = ["validate", "extract@0", "evaluate"]
     rerun = ran_stages(run(["dvc", "repro", "-f", "-s", *stages], repo).stdout)
     assert sorted(rerun) == sorted(stages), rerun
     after = tracked_outputs(repo)
@@ -272,7 +273,8 @@ def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     done = run(["dvc", "repro"], repo, check=False)
     assert done.returncode != 0
     stages = ran_stages(done.stdout)
-    assert "validate" in stages and "extract" not in stages and "train" not in stages
+    assert "validate" in stages, stages
+    assert not [s for s in stages if s.startswith(("extract", "train"))], stages
     metrics = json.loads((repo / "metrics/validate.json").read_text())
     assert metrics["passed"] is False
     assert not (repo / "data/validated/verdict.json").exists()
@@ -354,9 +356,11 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @TWIN
 def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
     """Slow for the first twin test (~2.5 min): the twin's one `dvc repro` of the session, which
-    the other twin tests read."""
+    the other twin tests read. Online features, as the 27B trains: the twin runs inside
+    training, and the drafter learns from it."""
     repo, out = twin
     assert set(ran_stages(out)) == ALL_STAGES
+    assert json.loads((repo / "logs/runs/train.json").read_text())["features"] == "online"
     assert json.loads((repo / "metrics/validate.json").read_text())["passed"] is True
     ev = json.loads((repo / "reports/evaluate.json").read_text())  # every result of evaluate
     assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
@@ -430,21 +434,6 @@ def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin,
     with pytest.raises(GuardAbort, match="without closing the <think> block the prompt opened"):
         for record in frames[0][1].to_dict("records"):
             guard.observe({k: record[k] for k in (*COLUMNS, "think_tokens")})
-
-
-@TWIN
-def test_the_twin_trains_with_online_features(twin, tmp_path):
-    """Online features: the frozen twin (hybrid layers, VL checkpoint) runs inside training.
-    Slow (~1.5 min): extract, train and evaluate again, the twin's forward inside every step.
-    4 epochs: what is tested is that the online path trains (tau at least 1.5 x untrained),
-    not how far."""
-    repo = shutil.copytree(twin[0], tmp_path / "online", symlinks=True)
-    overrides = ["model=tiny_qwen36", "extract.features=online", "drafter.epochs=4"]
-    run(["draftline", "compose", *overrides], repo)
-    done = run(["dvc", "repro", "evaluate"], repo)
-    assert {"extract@0", "train_shard@0", "train", "evaluate"} <= set(ran_stages(done.stdout))
-    ev = json.loads((repo / "reports/evaluate.json").read_text())
-    assert ev["tau"] >= 1.5 * ev["tau_untrained"], ev
 
 
 def test_every_file_dvclive_writes_is_a_declared_output_of_train(tmp_path, repo_root):

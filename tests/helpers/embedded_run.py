@@ -126,11 +126,14 @@ def embedded_default(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
 
 
 def qwen36_twin(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
-    """The Qwen3.6 twin (models/tiny-qwen36) through every stage. The drafter trains 6 epochs,
-    not the embedded default's 20: the twin's tests ask that it learns (tau at least 1.5 x
-    untrained; 20 epochs reach ~6.7), and every stage runs the same code either way."""
+    """The Qwen3.6 twin (models/tiny-qwen36) through every stage, with online features as the
+    27B profile trains (the frozen twin, hybrid layers and VL checkpoint, runs inside every
+    training step; the embedded default's run covers offline features). The drafter trains 4
+    epochs, not the embedded default's 20: the twin's tests ask that it learns (tau at least
+    1.5 x untrained; 20 epochs reach ~6.7), and every stage runs the same code either way."""
 
     def compose(repo: Path) -> None:
-        run(["draftline", "compose", "model=tiny_qwen36", "drafter.epochs=6"], repo)
+        overrides = ["model=tiny_qwen36", "extract.features=online", "drafter.epochs=4"]
+        run(["draftline", "compose", *overrides], repo)
 
     return shared_run(tmp_path_factory, "qwen36-twin", compose)
