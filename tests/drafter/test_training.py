@@ -30,7 +30,9 @@ from helpers.dflash_data import generated_sequences, make_target, model_params, 
 from draftline.drafter import checkpoints
 from draftline.drafter.training import Hyperparameters, RunOptions, train
 
-pytestmark = pytest.mark.float_kernels
+# One xdist worker for the module: its runs (module fixtures, per family) are shared by several
+# tests and would otherwise run again on each worker that gets one of them.
+pytestmark = [pytest.mark.float_kernels, pytest.mark.xdist_group("training")]
 
 torch.set_num_threads(1)
 
