@@ -31,8 +31,6 @@ from helpers.embedded_run import (
 # The tests that read the session's run of the embedded default (or change it and restore it)
 # run on one xdist worker, one after the other; the twin's likewise.
 EMBEDDED = pytest.mark.xdist_group("embedded-default")
-TWIN = pytest.mark.xdist_group("qwen36-twin")
-
 
 # Every stage of the pipeline on 4 shards: per shard, generation, validation, extraction and
 # the training link; then the whole-run gate, the rest of training and evaluate.
@@ -345,6 +343,8 @@ def test_another_processor_gives_the_same_data_and_tau_within_the_bound(finished
 
 
 # The Qwen3.6 twin (models/tiny-qwen36): the production target's layout in miniature, end to end.
+# Its whole pipeline takes minutes of CPU beside the embedded default's, which runs the same
+# stages: .ci/run runs it (marker `slow`); the README's test command does not.
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +353,8 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return shared.repo, shared.stdout
 
 
-@TWIN
+@pytest.mark.slow
+@pytest.mark.xdist_group("qwen36-twin")
 def test_the_qwen36_twin_runs_every_stage_and_the_drafter_learns(twin):
     """Slow for the first twin test (~2.5 min): the twin's one `dvc repro` of the session, which
     the other twin tests read. Online features, as the 27B trains: the twin runs inside
@@ -409,7 +410,8 @@ def ok_answers(repo: Path) -> list[tuple[Path, pd.DataFrame]]:
     return frames
 
 
-@TWIN
+@pytest.mark.slow
+@pytest.mark.xdist_group("qwen36-twin")
 def test_the_twins_shards_with_ok_answers_fail_validate_and_trip_the_guard(twin, tmp_path):
     from draftline.generation.guard import Guard, GuardAbort
     from draftline.quality.checks import COLUMNS

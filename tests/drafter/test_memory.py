@@ -65,6 +65,7 @@ def production(family: str = "dflash") -> tuple[dict, dict]:
     return composed, hardware.load_profiles(CONF)
 
 
+@pytest.mark.slow  # .ci/run; the shallow plan behind it is tested below in seconds
 def test_the_plan_is_within_10_percent_of_a_direct_measurement_of_the_whole_target():
     """The b200x8 figures the plan prints for Qwen3.6-27B (shallow target, weights on the meta
     device) against the project's code run on the whole 64-layer target on fake tensors: one

@@ -54,9 +54,11 @@ FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=["dflash", pytest.param("dflash2", marks=pytest.mark.slow)])
 def family(request) -> str:
-    """Every run below, for each drafter family."""
+    """Every multi-process, resumed and rerun case below, for each drafter family. DFlash2's
+    (minutes of process start-ups) run in .ci/run (marker `slow`, under generic kernels with
+    the other float-kernel tests); both families train in-process in every run."""
     return request.param
 
 
@@ -188,6 +190,7 @@ def fsdp_run(workdir, family) -> Path:
     return run_stage(workdir, f"fsdp-{family}", processes=2, micro=2, **layout)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_lowers_the_loss_and_raises_accuracy(workdir, family):
     hp = Hyperparameters.from_params({**FAMILIES[family], "epochs": 12})
     options = RunOptions(progress=False)
