@@ -55,7 +55,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
 @EMBEDDED
 def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
     """Slow for the first embedded test (~3.5 min): the session's one `dvc repro` of the
-    embedded default, which the other tests here and in test_new_node read."""
+    embedded default, which the other tests here and in test_salvage_experiments read."""
     repo, out = finished
     assert set(ran_stages(out)) == ALL_STAGES
     verdict = json.loads((repo / "metrics/validate.json").read_text())

@@ -33,6 +33,8 @@ from helpers.embedded_run import ROOT, copy_project, ran_stages
 from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, clone_node, run, salvage
 
+pytestmark = pytest.mark.xdist_group("new-node")
+
 SHARDS = [f"generate@{k}" for k in range(4)]
 # Outputs whose bytes do not depend on timing (reports/ hold GX run times): the ones an
 # interrupted run must reproduce exactly.
@@ -41,7 +43,6 @@ DETERMINISTIC = (
     *(f"data/generated/train/shard-{k}.parquet" for k in range(4)),
     "data/validated/verdict.json",
 )
-pytestmark = pytest.mark.xdist_group("new-node")
 # One generation batch per shard: hardware keys change how, never what (outputs are equal).
 BATCH_SIZE = 96
 
@@ -207,11 +208,10 @@ def test_repro_pull_restores_what_a_finished_and_runs_only_the_rest(story: Story
 def test_the_resumed_result_equals_one_uninterrupted_run(story: Story) -> None:
     """Node B's result against one uninterrupted `dvc repro` of the same project, as committed
     (another local batch size: hardware changes how, never what)."""
-    reference = ROOT
     resumed = recorded_hashes(story.node_b)
     uninterrupted = {
         out["path"]: out["md5"]
-        for stage in yaml.safe_load((reference / "dvc.lock").read_text())["stages"].values()
+        for stage in yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"].values()
         for out in stage.get("outs", [])
     }
     for path in DETERMINISTIC:
@@ -219,7 +219,7 @@ def test_the_resumed_result_equals_one_uninterrupted_run(story: Story) -> None:
     shard_files = sorted(p.name for p in (story.node_b / "data/generated/train").iterdir())
     assert shard_files == [f"shard-{k}.parquet" for k in range(4)]
     b_metrics = json.loads((story.node_b / "metrics/validate.json").read_text())
-    ref_metrics = json.loads((reference / "metrics/validate.json").read_text())
+    ref_metrics = json.loads((ROOT / "metrics/validate.json").read_text())
     assert b_metrics == ref_metrics
     assert b_metrics["num_samples"] == sum(
         json.loads((story.node_b / "data/curated/summary.json").read_text())["shard_rows"].values()
