@@ -7,14 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 FIGURES = Path(__file__).resolve().parents[2] / "logs" / "vllm" / "figures.json"
 
 
 def record(**figures: Any) -> None:
-    """Add figures to logs/vllm/figures.json (under a lock: .ci/vllm runs two xdist workers)."""
+    """Add figures to logs/vllm/figures.json."""
     FIGURES.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(FIGURES.with_suffix(".lock"))):
-        known = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-        FIGURES.write_text(json.dumps({**known, **figures}, indent=2, sort_keys=True) + "\n")
+    known = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    FIGURES.write_text(json.dumps({**known, **figures}, indent=2, sort_keys=True) + "\n")
