@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,9 +122,43 @@ def copy_run(run_: SharedRun, dest: Path) -> Path:
     return dest
 
 
-def embedded_default(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
-    """The embedded default as `dvc repro` runs it from a fresh clone (committed params.yaml)."""
-    return shared_run(tmp_path_factory, "embedded-default", lambda repo: None)
+# The marker of the tests that compare the session's run with the committed one (the whole
+# schedule's tau): when one is selected, the shared run trains the committed schedule.
+COMMITTED_SCHEDULE = "committed_schedule"
+COMMITTED_SCHEDULE_SELECTED = pytest.StashKey[bool]()
+# Otherwise it trains 2 epochs, not the committed 20: the first shard by shard in the links, the
+# second over every shard in the last stage. Every stage runs the same code either way, the data
+# stages' outputs are the committed ones byte for byte (no drafter setting reaches them), and the
+# last stage trains 19 steps instead of 343: most of the run's minutes.
+SHORT_EPOCHS = 2
+
+
+def embedded_default(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> SharedRun:
+    """The embedded default as `dvc repro` runs it from a fresh clone: committed params.yaml
+    when the session compares it with the committed run (`wants_committed_schedule`), else
+    with the drafter's epochs set to SHORT_EPOCHS in conf/ and composed (so that `draftline
+    compose` and `dvc exp run -S` in the run keep them) and committed (so that salvage finds
+    no change to save)."""
+
+    def short_schedule(repo: Path) -> None:
+        defaults = yaml.safe_load((repo / "conf/config.yaml").read_text())["defaults"]
+        name = next(d["drafter"] for d in defaults if isinstance(d, dict) and "drafter" in d)
+        conf = repo / "conf/drafter" / f"{name}.yaml"
+        text = conf.read_text(encoding="utf-8")
+        short = re.sub(r"(?m)^epochs: \d+$", f"epochs: {SHORT_EPOCHS}", text)
+        assert short != text, f"no `epochs:` line in {conf}"
+        conf.write_text(short, encoding="utf-8")
+        run(["draftline", "compose"], repo)
+        run(["git", "commit", "-qam", f"embedded default: {SHORT_EPOCHS} epochs"], repo)
+
+    if wants_committed_schedule(config):
+        return shared_run(tmp_path_factory, "embedded-default", lambda repo: None)
+    return shared_run(tmp_path_factory, f"embedded-default-{SHORT_EPOCHS}-epochs", short_schedule)
+
+
+def wants_committed_schedule(config: pytest.Config) -> bool:
+    """Whether this session selected a test marked COMMITTED_SCHEDULE (tests/conftest.py)."""
+    return config.stash.get(COMMITTED_SCHEDULE_SELECTED, False)
 
 
 def qwen36_twin(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
