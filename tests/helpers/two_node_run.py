@@ -1,6 +1,7 @@
 """Two nodes on one machine: a bare git origin, a moto S3 server on 127.0.0.1 as the DVC remote,
 and clones of this project as the generating node (`draftline lead`), the training node
-(`draftline follow`) and a sequential reference (`dvc repro`). Shared by the two-node test and
+(`draftline follow`) and a sequential reference (`dvc repro`), which the test runs beside the two
+nodes and the benchmark after them (it times each). Shared by the two-node test and
 benchmarks/train_while_generate.py.
 
 The run is the embedded default with a shorter training (SMALL), so the whole pipeline takes
@@ -137,6 +138,26 @@ def sequential(origin: Path, dest: Path, env: dict[str, str], server: S3Server, 
     began = time.monotonic()
     run(["dvc", "repro"], node, env, timeout=1800)
     return node, time.monotonic() - began
+
+
+def start_sequential(
+    origin: Path, dest: Path, env: dict[str, str], server: S3Server, bucket: str, log: str
+) -> tuple[Path, subprocess.Popen[bytes]]:
+    """The same reference started in the background: (node, its `dvc repro`)."""
+    node = clone(origin, dest, env, server, bucket)
+    with (node / log).open("ab") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "dvc"), "repro"], cwd=node, env=env, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    return node, proc
+
+
+def one_core_each(env: dict[str, str]) -> dict[str, str]:
+    """The environment for nodes that share this machine's cores: one torch thread each, and
+    OpenMP threads that sleep rather than spin while they wait (nodes on their own machines
+    would each have all of theirs). The drafter's bytes do not depend on the thread count."""
+    return {**env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def wait_for_lines(

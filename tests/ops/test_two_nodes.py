@@ -19,30 +19,47 @@ from helpers.s3_server import S3Server
 
 pytestmark = pytest.mark.two_nodes
 
-GEN_LOG, TRAIN_LOG = "lead.log", "follow.log"
+GEN_LOG, TRAIN_LOG, REFERENCE_LOG = "lead.log", "follow.log", "sequential.log"
 
 
 def test_the_training_node_follows_generation_and_ends_with_the_sequential_drafter(
     tmp_path: Path, server: S3Server
 ) -> None:
     origin, env, bucket = two.setup(tmp_path, server)
+    env = two.one_core_each(env)
     gen = two.clone(origin, tmp_path / "gen", env, server, bucket)
     train = two.clone(origin, tmp_path / "train", env, server, bucket)
+    # The sequential reference runs beside the two nodes, in the time they spend waiting (for
+    # shards, on start-ups): measured on 2 cores, the test took 253 s so and 400 s after them.
+    reference, sequential = two.start_sequential(
+        origin, tmp_path / "sequential", env, server, bucket, log=REFERENCE_LOG
+    )
 
-    lead = two.start(gen, env, "lead", "--run", two.RUN, log=GEN_LOG)
-    follow = two.start(train, env, "follow", "--run", two.RUN, "--poll-s", "1", log=TRAIN_LOG)
-    # kill -9 on the generating node while shard 1 is generated; it resumes from the journal.
-    two.wait_for(gen, GEN_LOG, "generate@1: running", lead, timeout=600)
-    two.wait_for_lines(gen, ".draftline/journal/generate/shard-1.jsonl", lead, timeout=120)
-    two.kill(lead)
-    lead = two.start(gen, env, "lead", "--run", two.RUN, log=GEN_LOG)
-    # kill -9 on the training node while it trains shard 1's link; it resumes.
-    two.wait_for(train, TRAIN_LOG, "train_shard@1: running", follow, timeout=900)
-    time.sleep(3)  # into the link (its start-up alone takes longer)
-    two.kill(follow)
-    follow = two.start(train, env, "follow", "--run", two.RUN, "--poll-s", "1", log=TRAIN_LOG)
-    two.finish(lead, gen, GEN_LOG, timeout=900)
-    two.finish(follow, train, TRAIN_LOG, timeout=1200)
+    started = [sequential]  # killed, with their children, if the test fails early
+    try:
+        lead = two.start(gen, env, "lead", "--run", two.RUN, log=GEN_LOG)
+        started.append(lead)
+        follow = two.start(train, env, "follow", "--run", two.RUN, "--poll-s", "1", log=TRAIN_LOG)
+        started.append(follow)
+        # kill -9 on the generating node while shard 1 is generated; it resumes from the journal.
+        two.wait_for(gen, GEN_LOG, "generate@1: running", lead, timeout=600)
+        two.wait_for_lines(gen, ".draftline/journal/generate/shard-1.jsonl", lead, timeout=120)
+        two.kill(lead)
+        lead = two.start(gen, env, "lead", "--run", two.RUN, log=GEN_LOG)
+        started.append(lead)
+        # kill -9 on the training node while it trains shard 1's link; it resumes.
+        two.wait_for(train, TRAIN_LOG, "train_shard@1: running", follow, timeout=900)
+        time.sleep(3)  # into the link (its start-up alone takes longer)
+        two.kill(follow)
+        follow = two.start(train, env, "follow", "--run", two.RUN, "--poll-s", "1", log=TRAIN_LOG)
+        started.append(follow)
+        two.finish(lead, gen, GEN_LOG, timeout=900)
+        two.finish(follow, train, TRAIN_LOG, timeout=1200)
+        two.finish(sequential, reference, REFERENCE_LOG, timeout=1200)
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                two.kill(proc)
 
     # The training node followed: it trained a link while a later shard was being generated.
     generated = {e["stage"]: e for e in two.events(gen, "generate") if e["rc"] == 0}
@@ -65,7 +82,6 @@ def test_the_training_node_follows_generation_and_ends_with_the_sequential_draft
     resumed = json.loads((gen / "logs/runs/generate/shard-1.json").read_text())["resumed_turns"]
     assert resumed > 0, "shard 1 was not resumed from its journal after the kill"
 
-    reference, _ = two.sequential(origin, tmp_path / "sequential", env, server, bucket)
     assert two.digest(train / "models" / "drafter") == two.digest(reference / "models/drafter")
     assert two.lock_stages(train) == two.lock_stages(reference)
     # The generator's branch is merged into the training node's, which holds the whole run.
