@@ -55,9 +55,14 @@ def clone(origin: Path, dest: Path, env: dict[str, str], server: S3Server, bucke
 
 def start(node: Path, env: dict[str, str], *args: str, log: str) -> subprocess.Popen[bytes]:
     """`draftline ARGS` in its own process group (so kill -9 takes its children too)."""
+    return spawn(node, env, [str(BIN / "draftline"), *args], log)
+
+
+def spawn(node: Path, env: dict[str, str], cmd: list[str], log: str) -> subprocess.Popen[bytes]:
+    """`cmd` in the node, in a process group of its own, its output appended to `log`."""
     with (node / log).open("ab") as out:
         return subprocess.Popen(
-            [str(BIN / "draftline"), *args],
+            cmd,
             cwd=node,
             env=env,
             stdout=out,
@@ -145,12 +150,7 @@ def start_sequential(
 ) -> tuple[Path, subprocess.Popen[bytes]]:
     """The same reference started in the background: (node, its `dvc repro`)."""
     node = clone(origin, dest, env, server, bucket)
-    with (node / log).open("ab") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "dvc"), "repro"], cwd=node, env=env, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-    return node, proc
+    return node, spawn(node, env, [str(BIN / "dvc"), "repro"], log)
 
 
 def one_core_each(env: dict[str, str]) -> dict[str, str]:

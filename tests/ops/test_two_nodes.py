@@ -30,7 +30,7 @@ def test_the_training_node_follows_generation_and_ends_with_the_sequential_draft
     gen = two.clone(origin, tmp_path / "gen", env, server, bucket)
     train = two.clone(origin, tmp_path / "train", env, server, bucket)
     # The sequential reference runs beside the two nodes, in the time they spend waiting (for
-    # shards, on start-ups): measured on 2 cores, the test took 253 s so and 400 s after them.
+    # shards, on start-ups): on 2 cores the test took 253 s this way, 400 s with it after them.
     reference, sequential = two.start_sequential(
         origin, tmp_path / "sequential", env, server, bucket, log=REFERENCE_LOG
     )
