@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from draftline.drafter.dflash import DFlashConfig
+from draftline.generation.engines.base import stop_ids
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 PROFILES = sorted(p.stem for p in CONF.glob("*.yaml"))
@@ -68,11 +69,27 @@ def test_embedded_profiles_match_their_files(name: str, repo_root: Path) -> None
     if p["mask_token_id"] is not None:
         assert tok.convert_tokens_to_ids(p["mask_token"]) == p["mask_token_id"]
     generation = json.loads((folder / "generation_config.json").read_text())
+    eos = generation["eos_token_id"]
+    stops = stop_ids(p["end_of_turn_token_id"], p["eos_token_id"])
+    assert sorted(stops) == sorted(eos if isinstance(eos, list) else [eos])
     if generation.get("do_sample"):
         for key in ("temperature", "top_p", "top_k"):
             assert p["sampling"][key] == generation[key], key
     else:
         assert p["sampling"]["temperature"] == 0.0
+
+
+# The ids a production target's generation must stop on: Qwen3-8B's generation_config.json
+# (eos_token_id [151645, 151643]); Qwen3.6-27B's end of turn and config.json's eos (248044).
+PRODUCTION_STOPS = {"qwen3_8b": {151645, 151643}, "qwen3_6_27b": {248046, 248044}}
+
+
+@pytest.mark.parametrize("name", sorted(PRODUCTION_STOPS))
+def test_production_targets_stop_at_end_of_turn_and_end_of_text(name: str) -> None:
+    """Every engine is asked to stop on `stop_ids`; the local engine stops on nothing else, so a
+    missing EOS would let a turn run on to max_new_tokens."""
+    p = profile(name)
+    assert set(stop_ids(p["end_of_turn_token_id"], p["eos_token_id"])) == PRODUCTION_STOPS[name]
 
 
 def production_text_config(p: dict, heads: int, kv_heads: int, head_dim: int) -> dict:
