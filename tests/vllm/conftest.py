@@ -35,7 +35,9 @@ def servable_target() -> Path:
     --out tests/vllm/tiny-target-hd32` builds it (build_config.json): same tokenizer, task,
     layers and parameter count as the committed one. Committed rather than built in every run:
     the build is 1.5 minutes of the vLLM step's serial time, and these tests only need a
-    servable target (they compare vLLM with transformers on it, not with fixed figures)."""
+    servable target (they compare vLLM with transformers on it, not with fixed figures). Its
+    tokenizer, chat template and generation config are links to models/tiny-target's, which the
+    build copies unchanged."""
     path = Path(__file__).parent / "tiny-target-hd32"
     heads = json.loads((path / "build_config.json").read_text())["num_attention_heads"]
     assert heads == 2, f"{path} was built with {heads} heads, not 2 (head_dim 32)"
