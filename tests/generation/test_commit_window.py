@@ -3,7 +3,9 @@
 DVC deletes an output it has not recorded before it runs the stage again, so the table alone
 cannot carry a shard across a kill between its rename and DVC's record: the journal stays until
 DVC has recorded the table, and the rerun rebuilds it without asking the engine for a turn.
-Real `dvc repro` subprocesses, the local engine on the random tiny target; the kills come from
+A fresh clone of the committed run is the hard case: its dvc.lock already names the table the
+run writes, while DVC's cache is empty, so only the cache tells a recorded table from one DVC
+will make again. Real `dvc repro` subprocesses, the local engine; the kills come from
 `helpers/kill_hook` (each SIGKILLs the whole process group, DVC included, at its phase).
 """
 
@@ -19,10 +21,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers.embedded_run import BIN, ENV
+from helpers.embedded_run import BIN, ENV, ROOT
 from helpers.generate_helpers import build_random_target, make_workdir
 
+from draftline.generation.engines.base import Result, Sampling
+from draftline.generation.journal import Journal
+from draftline.generation.shards import Identity
+from draftline.generation.table_record import mark_current
 from draftline.ops.salvage.node_checks import partial_journals
+from draftline.stages.generate import release_journals, shard_paths
 
 KILL_HOOK = Path(__file__).resolve().parents[1] / "helpers/kill_hook"
 PHASES = ["journaled", "table", "recorded", "dvc-save", "dvc-commit"]
@@ -47,6 +54,10 @@ def journal_turns(repo: Path, shard: int) -> int:
     if not path.exists():
         return 0
     return sum(b'"id"' in line for line in path.read_bytes().splitlines())
+
+
+def md5_of(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
 
 
 def repro(repo: Path, target: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -109,3 +120,82 @@ def test_kill_9_at_every_phase_boundary_regenerates_no_turn(tmp_path, model_dir)
     assert not (repo / ".draftline/journal/generate/shard-0.jsonl").exists()
     assert (repo / ".draftline/journal/generate/shard-1.jsonl").exists()  # not recorded then
     assert "didn't change" in repro(repo, "generate@0").stdout.replace("did not", "didn't")
+
+
+def test_a_kill_in_the_window_on_a_fresh_clone_of_the_committed_run_regenerates_no_turn(
+    tmp_path, monkeypatch
+):
+    """A fresh clone's dvc.lock already names the table a deterministic run writes, but DVC's
+    cache is empty: DVC reruns the stage until it holds the table, so the journal must stay."""
+    repo = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], env=ENV, check=True)
+    done = subprocess.run([str(BIN / "dvc"), "repro", "curate"], cwd=repo, env=ENV,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    entry = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["generate@3"]
+    table, committed = entry["outs"][0]["path"], entry["outs"][0]["md5"]
+
+    done = repro(repo, "generate@3", kill_at="dvc-commit")  # DVC hashed it, has not cached it
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert md5_of(repo / table) == committed, "not the committed table: no window to test"
+    assert not (repo / f".dvc/cache/files/md5/{committed[:2]}/{committed[2:]}").exists()
+    written = journal_turns(repo, 3)
+
+    done = repro(repo, "generate@3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_log = json.loads((repo / "logs/runs/generate/shard-3.json").read_text())
+    assert run_log["generated_turns"] == 0 and run_log["resumed_turns"] == written > 0
+    samples = run_log["samples"]
+    assert f"generate shard-3: {samples} samples ({samples} resumed)" in done.stdout
+    assert journal_turns(repo, 3) == written
+    assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["generate@3"] == entry
+
+    # DVC now holds the table: the next generate start removes the journal.
+    monkeypatch.chdir(repo)
+    release_journals(yaml.safe_load(Path("params.yaml").read_text()))
+    assert journal_turns(repo, 3) == 0
+
+
+def test_a_journal_is_released_only_when_dvcs_cache_holds_the_locked_table_of_this_input(
+    tmp_path, monkeypatch
+):
+    from dvc.repo import Repo
+
+    monkeypatch.chdir(tmp_path)
+    Repo.init(no_scm=True).close()
+    paths = shard_paths(0)
+    for path, data in ((paths.curated, b"curated"), (paths.output, b"table")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    identity = Identity("m", {}, Sampling(max_new_tokens=8))
+    journal = Journal(paths.journal, identity.as_dict())
+    journal.open()
+    journal.append([Result(id="a#0", completion_ids=[1, 2], finish_reason="stop")])
+    journal.close()
+    mark_current(paths, identity)
+    p = {"data": {"shard_ids": [0]}}
+
+    def lock(curated_md5: str) -> Path:
+        entry = {
+            "cmd": "draftline generate --shard 0",
+            "deps": [{"path": paths.curated.as_posix(), "hash": "md5", "md5": curated_md5}],
+            "outs": [{"path": paths.output.as_posix(), "hash": "md5", "md5": md5_of(paths.output)}],
+        }
+        Path("dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"g@0": entry}}))
+        return Path("dvc.lock")
+
+    # dvc.lock names the table (as a fresh clone's does), DVC's cache does not hold it: kept.
+    release_journals(p, lock(md5_of(paths.curated)))
+    assert paths.journal.exists()
+
+    with Repo(".") as repo:
+        cached = Path(repo.cache.local.oid_to_path(md5_of(paths.output)))
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(paths.output.read_bytes())
+    # Cached, but recorded from another curated shard than the one in place: DVC reruns it.
+    release_journals(p, lock(md5_of(paths.output)))
+    assert paths.journal.exists()
+
+    # Cached, from the curated shard in place: DVC will not run the stage again.
+    release_journals(p, lock(md5_of(paths.curated)))
+    assert not paths.journal.exists()

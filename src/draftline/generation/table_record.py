@@ -1,14 +1,15 @@
 """What a shard's table was written from, kept beside its journal (working state, not a DVC
 output): a stage working ahead tells a current table from one another run left
-(`needs_generating`), and a journal is removed only once DVC has recorded the table it wrote
-(`release_recorded`)."""
+(`needs_generating`), and a journal is removed only once DVC has recorded and cached the table
+it wrote (`release_recorded`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from draftline.generation.journal import Journal
 from draftline.runtime import atomic
@@ -64,17 +65,39 @@ def mark_current(paths: ShardPaths, identity: Identity) -> None:
     )
 
 
-def release_recorded(paths: ShardPaths, recorded_md5: str | None) -> bool:
-    """Remove the shard's journal once the table it wrote is the one DVC recorded
-    (`recorded_md5`, from dvc.lock): DVC has it cached, the journal has nothing left to save.
-    A journal another run holds, or whose table DVC has not recorded, is kept."""
-    if not recorded_md5 or not paths.journal.exists():
+def _locked_md5(entries: list[dict[str, Any]] | None, path: Path) -> str | None:
+    """The md5 a dvc.lock entry's `deps` or `outs` records for `path`."""
+    for item in entries or []:
+        if str(item.get("path")) == path.as_posix():
+            return str(item.get("md5"))
+    return None
+
+
+def release_recorded(
+    paths: ShardPaths, entry: dict[str, Any] | None, cached: Callable[[str], bool]
+) -> bool:
+    """Remove the shard's journal once DVC holds the table it wrote: `entry` (the stage's
+    dvc.lock entry) names the table's md5 and the md5 of the curated shard in place, and DVC's
+    cache holds that object (`cached`). Otherwise DVC reruns the stage, and the journal is what
+    rebuilds the table. A journal another run holds is kept."""
+    if entry is None or not paths.journal.exists():
         return False
+    table_md5 = _locked_md5(entry.get("outs"), paths.output)
     record = _read_record(paths)
     if (
-        record is None
-        or record.get("table_md5") != recorded_md5
+        table_md5 is None
+        or record is None
+        or record.get("table_md5") != table_md5
         or record.get("journal_bytes") != paths.journal.stat().st_size
+    ):
+        return False
+    # A fresh clone's dvc.lock already names the bytes a deterministic run writes, with nothing
+    # cached: DVC reruns the stage until its cache holds them.
+    if not cached(table_md5):
+        return False
+    # DVC also reruns a stage whose curated input is not the one its entry records.
+    if not paths.curated.is_file() or _locked_md5(entry.get("deps"), paths.curated) != _md5(
+        paths.curated
     ):
         return False
     journal = Journal(paths.journal, {})

@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +154,41 @@ def engine_key(identity: str, profile: dict) -> str:
     return identity
 
 
+def dvc_cache_holds(root: Path) -> Callable[[str], bool]:
+    """Whether the DVC cache of the project at `root` (wherever its `cache.dir` puts it) holds
+    an object; DVC is opened at the first question, which most generate starts never ask."""
+    opened: list[Any] = []
+
+    def holds(md5: str) -> bool:
+        if not opened:
+            from dvc.exceptions import DvcException
+            from dvc.repo import Repo
+
+            try:
+                with Repo(str(root)) as repo:
+                    opened.append(repo.cache.local)
+            except DvcException:  # not a DVC project: nothing is cached
+                opened.append(None)
+        return opened[0] is not None and opened[0].exists(md5)
+
+    return holds
+
+
 def release_journals(p: dict, lock: Path = Path("dvc.lock")) -> None:
-    """Remove the journals of shards whose tables DVC has recorded (cached): they saved the
-    table through the window between its rename and DVC's record, and have nothing left."""
+    """Remove the journals of shards whose tables DVC has recorded and cached, from the curated
+    shards in place: they saved the table through the window between its rename and DVC's
+    record, and have nothing left."""
     try:
         stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages") or {}
     except (OSError, yaml.YAMLError):
         return
-    recorded = {
-        str(out.get("path")): str(out.get("md5"))
-        for entry in stages.values()
-        for out in entry.get("outs") or []
+    entries = {
+        str(out.get("path")): entry for entry in stages.values() for out in entry.get("outs") or []
     }
+    cached = dvc_cache_holds(lock.parent)
     for shard in [None, *((p.get("data") or {}).get("shard_ids") or [])]:
         paths = shard_paths(shard)
-        release_recorded(paths, recorded.get(paths.output.as_posix()))
+        release_recorded(paths, entries.get(paths.output.as_posix()), cached)
 
 
 def run(args: argparse.Namespace) -> int:
