@@ -10,6 +10,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,21 +33,49 @@ def short(text: str, lines: int = 1) -> str:
 @pytest.mark.parametrize(
     ("override", "key", "rule"),
     [
-        ("data.num_shards=0", "data.num_shards=0", "an integer >= 1"),
-        ("data.num_shards=-1", "data.num_shards=-1", "an integer >= 1"),
+        ("data.num_shards=0", "data.num_shards=0", "an integer from 1 to 1024"),
+        ("data.num_shards=-1", "data.num_shards=-1", "an integer from 1 to 1024"),
+        ("data.num_shards=100000", "data.num_shards=100000", "an integer from 1 to 1024 (each "
+         "shard is four DVC stages, and `dvc status` takes minutes past a few thousand stages)"),
         ("generate.max_new_tokens=0", "generate.max_new_tokens=0", "an integer >= 1"),
         ("generate.max_new_tokens=-5", "generate.max_new_tokens=-5", "an integer >= 1"),
         ("generate.max_new_tokens=lots", "generate.max_new_tokens='lots'", "an integer >= 1"),
         ("extract.features=both", "extract.features='both'", "one of offline, online"),
-        ("data.eval_fraction=1.5", "data.eval_fraction=1.5", "a number from 0 to 1"),
+        ("data.eval_fraction=1.5", "data.eval_fraction=1.5", "a number >= 0 and < 1"),
+        ("data.eval_fraction=1.0", "data.eval_fraction=1.0",
+         "a number >= 0 and < 1 (1 leaves no rows to train on)"),
+        # conf/ copies these into generate.* and drafter.*: the key the user set is named.
+        ("model.sampling.temperature=-1", "model.sampling.temperature=-1", "a number >= 0"),
+        ("model.dflash.num_attention_heads=0", "model.dflash.num_attention_heads=0",
+         "an integer >= 1 or null (copied to drafter.num_attention_heads)"),
         ("hardware.sharding=zero3", "hardware.sharding='zero3'", "one of ddp, fsdp"),
     ],
-)
+)  # fmt: skip
 def test_compose_refuses_a_bad_value_in_one_line(override: str, key: str, rule: str, capsys):
     assert cli.main(["compose", override, "--output", "-", "--config-dir", CONF]) == 1
     line = short(capsys.readouterr().err)
     assert f"{key} must be {rule}" in line
     assert f"draftline compose {key.split('=')[0]}=" in line  # the fix
+
+
+def test_compose_refuses_no_sources_in_one_line(capsys):
+    argv = ["compose", "data.sources=[]", "--output", "-", "--config-dir", CONF]
+    assert cli.main(argv) == 1
+    line = short(capsys.readouterr().err)
+    assert "data.sources=[] names no input" in line
+    assert "`draftline compose 'data.sources=[data/my-set]'`" in line
+
+
+def test_compose_is_fast_up_to_the_shard_bound_and_refuses_past_it_at_once() -> None:
+    top = config_values.MAX_SHARDS
+    data = params.compose([f"data.num_shards={top}"], CONF)["data"]
+    assert data["shard_ids"] == list(range(top)) and len(data["shard_chain"]) == top
+    start = time.monotonic()
+    with pytest.raises(
+        config_values.BadValueError, match=rf"^data.num_shards=100000 must be .*{top}"
+    ):
+        params.compose(["data.num_shards=100000"], CONF)
+    assert time.monotonic() - start < 10  # before the shard lists are built (minutes, 836 MB)
 
 
 def test_a_relation_between_values_is_checked() -> None:
@@ -85,6 +114,11 @@ def dvc_composed(tmp_path: Path, change: dict) -> Path:
     [
         ({"generate.max_new_tokens": 0}, "generate.max_new_tokens=0 must be an integer >= 1"),
         ({"data.num_shards": 0, "data.shard_ids": []}, "data.num_shards=0 must be an integer"),
+        (
+            {"model.sampling.temperature": -1, "generate.temperature": -1},
+            "model.sampling.temperature=-1 must be a number >= 0",
+        ),
+        ({"data.sources": []}, "data.sources=[] names no input"),
         (
             {"generate.max_new_token": 64},
             "generate.max_new_token is not a key any stage reads; did you mean "
@@ -250,3 +284,86 @@ def test_generate_checks_free_space_first(tmp_path: Path, tiny_target_dir: Path,
     assert message.startswith("generate shard-0 (") and "and its disk has 1,000 B free" in message
     assert "x 1.46 turns x 60 tokens) needs about" in message and "bigger disk" in message
     assert not Path("data/generated").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["follow", "--poll-s", "-5"], "argument --poll-s: must be a number > 0, not -5"),
+        (
+            ["salvage", "--min-free-mib", "-1"],
+            "argument --min-free-mib: must be a number >= 0, not -1",
+        ),
+    ],
+)
+def test_a_bad_option_is_refused_by_argparse(tmp_path: Path, argv: list[str], line: str):
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftline", *argv], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"draftline {argv[0]}: error: {line}"
+
+
+def curate_in(
+    tmp_path: Path, tiny_target_dir: Path, *overrides: str
+) -> subprocess.CompletedProcess:
+    composed = params.compose([f"model.path={tiny_target_dir}", *overrides], CONF)
+    (tmp_path / "params.yaml").write_text(params.to_yaml(composed))
+    return subprocess.run(
+        [sys.executable, "-m", "draftline", "curate", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_utf16_file_is_named_with_the_command_that_converts_it(
+    tmp_path: Path, tiny_target_dir: Path
+):
+    text = "".join((REPO / "data/sample/conversations.jsonl").read_text().splitlines(True)[:20])
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(text, encoding="utf-16")
+    proc = curate_in(tmp_path, tiny_target_dir, "data.sources=[in]")
+    assert proc.returncode == 1
+    head, line = short(proc.stderr, lines=2), proc.stderr.splitlines()[1]
+    assert head == "curate: FAILED: 1 input file is not UTF-8:"
+    command = (
+        "iconv -f UTF-16 -t UTF-8 in/a.jsonl > in/a.jsonl.utf8 && mv in/a.jsonl.utf8 in/a.jsonl"
+    )
+    assert line == (
+        f"  in/a.jsonl: UTF-16 text, not UTF-8: convert it (`{command}`), or take it out of "
+        "data.sources"
+    )
+    if shutil.which("iconv"):  # the command it gives does convert the file
+        subprocess.run(command, shell=True, cwd=tmp_path, check=True)
+        assert (tmp_path / "in/a.jsonl").read_text(encoding="utf-8") == text
+
+
+def test_a_curate_left_with_no_training_rows_fails_naming_the_key(
+    tmp_path: Path, tiny_target_dir: Path
+):
+    rows = (REPO / "data/sample/conversations.jsonl").read_text().splitlines()[:30]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(rows) + "\n")
+    overrides = ("data.sources=[in]", "data.eval_fraction=0.99999", "data.max_reject_rate=1")
+    proc = curate_in(tmp_path, tiny_target_dir, *overrides)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("curate: FAILED: 0 training rows: all ")
+    assert "went to eval (data.eval_fraction=0.99999); lower it (`draftline compose " in line
+
+
+def test_no_rows_read_or_all_rejected_name_the_key_too() -> None:
+    from draftline.data.curation import CurateResult
+    from draftline.stages.curate import nothing_to_train
+
+    data = {"sources": [], "eval_fraction": 0.1}
+    assert "0 rows read from data.sources=[]: point it at" in (
+        nothing_to_train(CurateResult(shard_rows=[0, 0]), data, "out") or ""
+    )
+    rejected = CurateResult(rows_read=5, shard_rows=[0])
+    rejected.rejected["malformed_json"] = 5
+    assert (nothing_to_train(rejected, data, "out") or "").startswith(
+        "all 5 rows were rejected (reasons in out/rejected.parquet): fix the files in data.sources"
+    )
+    assert nothing_to_train(CurateResult(rows_read=5, shard_rows=[5]), data, "out") is None

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from draftline.ops.salvage import checklist as salvage
+from draftline.runtime import arg_types
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-push-git", action="store_true", help="commit but do not git push")
     parser.add_argument(
         "--min-free-mib",
-        type=float,
+        type=arg_types.non_negative,
         default=salvage.DEFAULT_MIN_FREE / 2**20,
         help="report the disk as full below this much free space (MiB)",
     )

@@ -6,13 +6,15 @@ millions of rows. A line that does not parse becomes a row with a `Rejection`
 (`malformed_json`). A file that cannot be read whole -- a gzip stream cut short, a corrupt
 Parquet row group, a JSON document that ends early, no rows at all -- raises `InputFileError`
 after the rows read before the break: its lost rows cannot be counted as rows (how many a cut
-file held is not known), so it is never counted as one rejected row either.
+file held is not known), so it is never counted as one rejected row either. A text file in
+UTF-16 or UTF-32 raises `EncodingError` before any row: each of its lines would be rejected.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import shlex
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ class InputFileError(SystemExit):
     """An input file that cannot be read whole: where, how many rows came before the break, and
     how many it holds in all when the file says so (Parquet). A SystemExit, like the other
     errors in the user's inputs: uncaught, it ends the command with its one line."""
+
+    kind = "cut short, corrupt or empty"
 
     def __init__(self, source: str, rows_read: int, detail: str, rows_total: int | None = None):
         self.source, self.rows_read, self.rows_total = source, rows_read, rows_total
@@ -53,13 +57,59 @@ class InputFileError(SystemExit):
         )
 
 
+class EncodingError(InputFileError):
+    """A text input file in UTF-16 or UTF-32 (as Windows editors and PowerShell save them):
+    JSON is read as UTF-8, and `iconv` converts it."""
+
+    kind = "not UTF-8"
+
+    def __init__(self, source: str, encoding: str):
+        self.encoding = encoding
+        super().__init__(source, 0, f"{encoding} text")
+
+    def message(self) -> str:
+        path, copy = shlex.quote(self.source), shlex.quote(self.source + ".utf8")
+        convert = f"iconv -f {self.encoding} -t UTF-8"
+        if self.source.endswith(".gz"):
+            command = f"gunzip -c {path} | {convert} | gzip > {copy}"
+        else:
+            command = f"{convert} {path} > {copy}"
+        return (
+            f"{self.source}: {self.encoding} text, not UTF-8: convert it (`{command} && mv "
+            f"{copy} {path}`), or take it out of data.sources"
+        )
+
+
+# Byte-order marks of the other Unicode encodings; UTF-32LE's starts with UTF-16LE's.
+BYTE_ORDER_MARKS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
+
+
+def other_encoding(head: bytes) -> str | None:
+    """The encoding of a text file that starts with `head`, when it is not UTF-8: a UTF-16 or
+    UTF-32 byte-order mark, or JSON's opening `{` or `[` beside a NUL byte (UTF-16 without a
+    mark; a NUL is never raw in JSON text)."""
+    for mark, name in BYTE_ORDER_MARKS:
+        if head.startswith(mark):
+            return name
+    if head[1:2] == b"\x00" and head[:1] in (b"{", b"["):
+        return "UTF-16LE"
+    if head[:1] == b"\x00" and head[1:2] in (b"{", b"["):
+        return "UTF-16BE"
+    return None
+
+
 class BrokenInputFiles(SystemExit):
     """Every input file of a run that could not be read whole, one line each."""
 
     def __init__(self, errors: list[InputFileError]):
         self.errors = errors
         files = f"{len(errors)} input file{'s are' if len(errors) > 1 else ' is'}"
-        head = f"{files} cut short, corrupt or empty"
+        head = f"{files} {', or '.join(dict.fromkeys(e.kind for e in errors))}"
         super().__init__("\n".join([f"{head}:"] + [f"  {e.message()}" for e in errors]))
 
 
@@ -249,6 +299,8 @@ def _read_jsonl(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch]:
     rows = 0
     try:
         with _open_binary(path) as f:
+            if encoding := other_encoding(f.peek(4)[:4]):  # type: ignore[attr-defined]
+                raise EncodingError(source, encoding)
             for number, line in enumerate(f, start=1):
                 line = line.rstrip(b"\r\n")
                 if not line.strip():
@@ -273,6 +325,8 @@ def _read_json(path: Path, source: str, batch_rows: int) -> Iterator[RowBatch]:
             data = f.read()
     except READ_ERRORS as err:
         raise InputFileError(source, 0, f"unreadable: {err}") from None
+    if encoding := other_encoding(data[:4]):
+        raise EncodingError(source, encoding)
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as err:  # one document: where it breaks, no row is known

@@ -9,6 +9,8 @@ composition are not checked (tests and partial files hold only what they need).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +24,17 @@ class BadValueError(ConfigCompositionException):
 @dataclass(frozen=True)
 class Rule:
     """What one value may be: `kind` "int", "number", "bool", "str" or "list", with optional
-    bounds (`low_open`: strictly above `low`), choices, and whether null is allowed."""
+    bounds (`low_open`: strictly above `low`, `high_open`: strictly below `high`), choices,
+    whether null is allowed, and why a bound is where it is (`reason`, said with the rule)."""
 
     kind: str
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    high_open: bool = False
     choices: tuple[str, ...] = ()
     null: bool = False
+    reason: str = ""
 
     def problem(self, value: Any) -> str | None:
         """Why `value` does not fit (a phrase after "must be"), or None."""
@@ -43,7 +48,10 @@ class Rule:
             too_low = self.low is not None and (
                 value <= self.low if self.low_open else value < self.low
             )
-            if too_low or (self.high is not None and value > self.high):
+            too_high = self.high is not None and (
+                value >= self.high if self.high_open else value > self.high
+            )
+            if too_low or too_high:
                 return self.describe()
         return None
 
@@ -65,13 +73,15 @@ class Rule:
             text = {"int": "an integer", "number": "a number", "bool": "true or false"}.get(
                 self.kind, f"a {self.kind}"
             )
-            if self.low is not None and self.high is not None and not self.low_open:
+            closed = not (self.low_open or self.high_open)
+            if self.low is not None and self.high is not None and closed:
                 text += f" from {_num(self.low)} to {_num(self.high)}"
             elif self.low is not None:
                 text += f" {'>' if self.low_open else '>='} {_num(self.low)}"
                 if self.high is not None:
-                    text += f" and <= {_num(self.high)}"
-        return text + (" or null" if self.null else "")
+                    text += f" and {'<' if self.high_open else '<='} {_num(self.high)}"
+        text += " or null" if self.null else ""
+        return f"{text} ({self.reason})" if self.reason else text
 
 
 def _num(x: float) -> str:
@@ -104,12 +114,25 @@ TOP_P = Rule("number", low=0, high=1, low_open=True)
 # Sampling's top-k: 0 or -1 (the engines' "off") or a positive count.
 TOP_K = Rule("int", low=-1)
 
+# Each shard adds four stages to dvc.yaml (generate, validate_shard, extract, train_shard), and
+# DVC slows with the stage count: `dvc status` on a repository with no outputs yet took 11 s
+# at 1024 shards and 104 s at 4096.
+MAX_SHARDS = 1024
+
 RULES: dict[str, Rule] = {
-    "data.num_shards": count(),
+    "data.num_shards": Rule(
+        "int",
+        low=1,
+        high=MAX_SHARDS,
+        reason="each shard is four DVC stages, and `dvc status` takes minutes past a few "
+        "thousand stages",
+    ),
     "data.shard_ids": Rule("list"),
     "data.shard_chain": Rule("list"),
     "data.sources": Rule("list"),
-    "data.eval_fraction": Rule("number", low=0, high=1),
+    "data.eval_fraction": Rule(
+        "number", low=0, high=1, high_open=True, reason="1 leaves no rows to train on"
+    ),
     "data.thinking_share": share(),
     "data.regenerate_turns": choice("all", "last"),
     "data.max_prompt_tokens": count(),
@@ -119,6 +142,19 @@ RULES: dict[str, Rule] = {
     "data.estimate.completion_tokens": at_least(0),
     "data.estimate.turns": positive(),
     "data.estimate.history_tokens": at_least(0),
+    # Before generate.* and evaluate.*, which read several of these: a stage (which sees only
+    # resolved values) names the key the user set.
+    "model.max_new_tokens": count(),
+    "model.features": choice("offline", "online"),
+    "model.num_hidden_layers": count(),
+    "model.hidden_size": count(),
+    "model.vocab_size": count(),
+    "model.target_layer_ids": Rule("list"),
+    "model.serving.context_length": count(null=True),
+    "model.serving.deterministic_inference": FLAG,
+    "model.sampling.temperature": at_least(0),
+    "model.sampling.top_p": TOP_P,
+    "model.sampling.top_k": TOP_K,
     "generate.max_new_tokens": count(),
     "generate.temperature": at_least(0),
     "generate.top_p": TOP_P,
@@ -159,14 +195,6 @@ RULES: dict[str, Rule] = {
     "drafter.epochs": positive(),
     "drafter.grad_clip": positive(),
     "drafter.seed": Rule("int"),
-    "model.max_new_tokens": count(),
-    "model.features": choice("offline", "online"),
-    "model.num_hidden_layers": count(),
-    "model.hidden_size": count(),
-    "model.vocab_size": count(),
-    "model.target_layer_ids": Rule("list"),
-    "model.serving.context_length": count(null=True),
-    "model.serving.deterministic_inference": FLAG,
     "hardware.engine": choice("local", "sglang", "vllm", null=True),
     "hardware.device": choice("cpu", "cuda", null=True),
     "hardware.precision": choice("fp32", "bf16", null=True),
@@ -224,16 +252,54 @@ def fix(path: str, example: str = "VALUE") -> str:
     return f"set it with `draftline compose {path}={example}` (or `dvc exp run -S {path}=...`)"
 
 
-def problems(data: dict[str, Any]) -> list[str]:
-    """One line per bad value of `data` (a composition or params.yaml), naming value and fix."""
+# A value conf/ copies from another key, e.g. `temperature: ${model.sampling.temperature}`.
+PLAIN_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+
+
+def set_as(raw: dict[str, Any]) -> dict[str, str]:
+    """For each checked key that `raw` (a composition before interpolation) copies from another,
+    the key a user sets to change it: generate.temperature -> model.sampling.temperature."""
+    out = {}
+    for path in RULES:
+        source = path
+        for _ in range(8):  # follows a chain of copies; a cycle cannot compose anyway
+            present, value = _get(raw, source)
+            match = PLAIN_INTERPOLATION.fullmatch(value) if isinstance(value, str) else None
+            if not present or match is None:
+                break
+            source = match.group(1)
+        if source != path:
+            out[path] = source
+    return out
+
+
+def problems(data: dict[str, Any], sources: Mapping[str, str] | None = None) -> list[str]:
+    """One line per bad value of `data` (a composition or params.yaml), naming value and fix:
+    the key in `sources` (`set_as`) a value was copied from, when it has one."""
+    sources = sources or {}
     out = []
     for path, rule in RULES.items():
         present, value = _get(data, path)
         if not present or (why := rule.problem(value)) is None:
             continue
+        key = sources.get(path, path)
+        if key != path and RULES.get(key) == rule and _get(data, key)[0]:
+            continue  # the key it was copied from has the same rule, which names it
         shown = "null" if value is None else repr(value)
-        out.append(f"{path}={shown} must be {why}; {fix(path)}")
-    return out + _relations(data)
+        copied = f" (copied to {path})" if key != path else ""
+        out.append(f"{key}={shown} must be {why}{copied}; {fix(key)}")
+    return out + _sources(data) + _relations(data)
+
+
+def _sources(data: dict[str, Any]) -> list[str]:
+    present, sources = _get(data, "data.sources")
+    if present and sources == []:
+        return [
+            "data.sources=[] names no input: list the files or folders of conversations to "
+            "curate, e.g. `draftline compose 'data.sources=[data/my-set]'` (or `dvc exp run "
+            "-S 'data.sources=[data/my-set]'`)"
+        ]
+    return []
 
 
 def _relations(data: dict[str, Any]) -> list[str]:
@@ -248,9 +314,9 @@ def _relations(data: dict[str, Any]) -> list[str]:
         )
     has_chain, chain = _get(data, "data.shard_chain")
     if has_shards and has_chain and isinstance(n, int) and n >= 1:
-        from draftline.runtime.resolvers import shard_chain
+        from draftline.runtime.resolvers import chain_links
 
-        if chain != list(shard_chain(n)):
+        if chain != chain_links(n):
             out.append(
                 f"data.shard_chain must list shards 0..{n - 1} for data.num_shards={n}, each "
                 f"after the one before; run `draftline compose data.num_shards={n}`"

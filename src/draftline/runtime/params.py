@@ -35,13 +35,25 @@ def compose(overrides: list[str] | None = None, config_dir: str | Path = "conf")
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(Path(config_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
-    OmegaConf.resolve(cfg)
-    data = OmegaConf.to_container(cfg)
+    # As written, before interpolation: which key a copied value comes from.
+    raw = OmegaConf.to_container(cfg)
+    assert isinstance(raw, dict)
+    sources = config_values.set_as(raw)
+    shards = OmegaConf.select(cfg, "data.num_shards", default=None)
+    if shards is not None:  # the derived shard lists grow with it: check it before building them
+        _refuse(config_values.problems({"data": {"num_shards": shards}}))
+    # The values OmegaConf.resolve gives (what DVC writes), without storing the derived lists
+    # back into the config first, which costs more than building them.
+    data = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(data, dict)
     config_schema.check(data, list(overrides or []))
-    if bad := config_values.problems(data):
-        raise config_values.BadValueError(bad[0])
+    _refuse(config_values.problems(data, sources))
     return data
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise config_values.BadValueError(problems[0])
 
 
 def looks_local(path: str) -> bool:

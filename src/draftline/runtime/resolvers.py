@@ -23,15 +23,19 @@ def shard_ids(num_shards: int) -> ListConfig:
     return ListConfig(list(range(int(num_shards))))
 
 
-def shard_chain(num_shards: int) -> ListConfig:
+def chain_links(num_shards: int) -> list[dict[str, int | str]]:
     """The chain of training links (dvc.yaml `train_shard`): shard k and the file its link
     starts after, link k-1's state, or for shard 0 curate's summary (the planned rows). DVC's
     foreach cannot compute k-1, so the list carries it."""
-    links = [
+    return [
         {"shard": k, "after": f"models/chain/shard-{k - 1}" if k else "data/curated/summary.json"}
         for k in range(int(num_shards))
     ]
-    return ListConfig(links)
+
+
+def shard_chain(num_shards: int) -> ListConfig:
+    """`chain_links` for conf/ (checks compare plain lists: a ListConfig is slow to build)."""
+    return ListConfig(chain_links(num_shards))
 
 
 def target_id(path: str, revision: str | None = None) -> str:

@@ -1,9 +1,10 @@
 """Stage `curate`: raw conversations -> data/curated/ (train shards, eval, rejected) + metrics.
 
 Reads `data.*` and the target tokenizer (`model.*`) from params.yaml. Fails (exit 1) when more
-than `data.max_reject_rate` of the rows are rejected, after writing the tables and metrics so
-the rejected rows can be read; and, writing nothing, when an input file cannot be read whole
-(cut short, corrupt, empty) or a source holds no input files.
+than `data.max_reject_rate` of the rows are rejected or no row is left to train on, after
+writing the tables and metrics so the rejected rows can be read; and, writing nothing, when an
+input file cannot be read whole (cut short, corrupt, empty, not UTF-8) or a source holds no
+input files.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from draftline.core.target import load_tokenizer
-from draftline.data.curation import CurateSettings, curate
+from draftline.data.curation import CurateResult, CurateSettings, curate
 from draftline.data.input_files import BrokenInputFiles
 from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.runtime import params as params_mod
@@ -95,4 +97,28 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if no_training := nothing_to_train(result, data, args.out):
+        print(f"curate: FAILED: {no_training}", file=sys.stderr)
+        return 1
     return 0
+
+
+def nothing_to_train(result: CurateResult, data: dict[str, Any], out: str) -> str | None:
+    """Why no row is left to train on, naming the key to change; None when some are."""
+    if sum(result.shard_rows):
+        return None
+    if not result.rows_read:
+        return (
+            f"0 rows read from data.sources={data['sources']}: point it at files or folders of "
+            "conversations (`draftline compose 'data.sources=[data/my-set]'`)"
+        )
+    if not result.rows_kept:
+        return (
+            f"all {result.rows_read} rows were rejected (reasons in {out}/rejected.parquet): fix "
+            "the files in data.sources, or raise data.max_prompt_tokens if prompts are too long"
+        )
+    return (
+        f"0 training rows: all {result.rows_kept} kept rows went to eval (data.eval_fraction="
+        f"{data['eval_fraction']}); lower it (`draftline compose data.eval_fraction=0.1`) or add "
+        "conversations to data.sources"
+    )
