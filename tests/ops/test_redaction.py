@@ -213,3 +213,24 @@ def test_a_json_value_under_a_secret_key_goes_whole() -> None:
         "headers": {"authorization": "***"}, "hf_token": "***", "tokenizer": "Qwen/Qwen3-8B",
         "max_new_tokens": 64, "db_password": "",
     }  # fmt: skip
+
+
+def test_a_credential_copied_without_its_header_is_scrubbed() -> None:
+    """A run log's `"auth_header": "Token <hex>"`: by its key (camelCase too), and by its
+    shape in free text; words after `token` stay."""
+    token = "9f8e7d6c5b4a39281706f5e4d3c2b1a0f9e8d7c6"
+    data = {"auth_header": f"Token {token}", "authHeader": "x", "token_count": "12",
+            "note": f"called with Token {token}", "auth_mode": "sso"}  # fmt: skip
+    assert redaction.redact_data(data, []) == {
+        "auth_header": "***", "authHeader": "***", "token_count": "12",
+        "note": "called with Token ***", "auth_mode": "sso",
+    }  # fmt: skip
+    for plain in ("token embeddings per second", "first token 1234567890123456789"):
+        assert redaction.redact_text(plain, []) == plain
+
+
+def test_holds_secret_is_whether_redaction_changes_the_text() -> None:
+    for secret in ("sk-live-Ab3dEf6hIj9kLm2nOp5qRs8t", f"add {GH_PAT}", f"ci {SECRET}"):
+        assert redaction.holds_secret(secret)
+    for plain in ("ep-one", "lr-0.001", "salvage: dvc.lock and notes from node-3", "tokenizer"):
+        assert not redaction.holds_secret(plain)

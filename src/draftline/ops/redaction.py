@@ -84,11 +84,13 @@ SECRET_PAIR = re.compile(  # `password=...` in a DSN or an option string; never 
     r"(?i)\b[\w.-]*(?:password|passwd|pwd|pass|secret|token|key|auth|cred)\w*\s*=\s*"
     r"['\"]?([^\s'\",;&/][^\s'\",;&]*)"
 )
-# A JSON key naming its string value a secret (`hf_token`, `authorization`, `db_password`):
-# the value goes whole, whatever its shape. Ends with the word: `tokenizer` is no secret.
+# A JSON key naming its string value a secret (`hf_token`, `authorization`, `db_password`,
+# `auth_header`, `authToken`): the value goes whole, whatever its shape. Ends with the word, or
+# with a word that says where it is held: `tokenizer` and `token_count` are no secrets.
 SECRET_KEY = re.compile(
     r"(?i)(?:^|[_.-])(?:authorization|auth|cookie|password|passwd|pwd|pass|secret|token"
-    r"|api[_-]?key|access[_-]?key|private[_-]?key|credentials?|cred)$"
+    r"|api[_-]?key|access[_-]?key|private[_-]?key|credentials?|cred)"
+    r"(?:[_.-](?:header|value|string|str))?$"
 )
 SECRET_QUERY_KEY = re.compile(
     r"(?i)key|token|secret|sig|signature|password|passwd|pwd|pass|auth|cred|session"
@@ -118,6 +120,12 @@ SECRET_PATTERNS = (
         r"[^\r\n\"']+"
     ),
     re.compile(r"(?i)(\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"),
+    # An `Authorization` value copied without its header (`"auth_header": "Token 9f8e..."`):
+    # the scheme and a long credential of letters and digits (`token embeddings` stays).
+    re.compile(
+        r"(?i)(\b(?:token|apikey|api-key|digest|negotiate|hmac)\s+)"
+        r"(?=[A-Za-z0-9._~+/=-]*\d)(?=[A-Za-z0-9._~+/=-]*[A-Za-z])[A-Za-z0-9._~+/=-]{16,}"
+    ),
     re.compile(r"(?i)(\b(?:set-)?cookie[\"']?\s*:\s*[\"']?)[^\r\n\"']+"),
     # `pass=Qx7pL`, `pw: Hq3z`: a password is short, so no minimum but 3 characters.
     re.compile(r"(?i)(\b(?:pass|passphrase|pw|pin)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;&]{3,}"),
@@ -289,6 +297,17 @@ def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
     return redact_patterns(text)
 
 
+def holds_secret(text: str) -> bool:
+    """Whether `text` has the shape of a secret (`redact_patterns` would change it): for what
+    leaves the node unredacted, commit messages and ref names."""
+    return redact_patterns(text) != text
+
+
+def secret_key(key: str) -> bool:
+    """Whether a JSON key names its value a secret (`SECRET_KEY`; camelCase keys too)."""
+    return bool(SECRET_KEY.search(re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key)))
+
+
 def redact_data(data: Any, secrets: Iterable[str] | None = None) -> Any:
     """`redact_text` on every string of a JSON-like structure (keys included)."""
     secrets = secret_values() if secrets is None else list(secrets)
@@ -297,7 +316,7 @@ def redact_data(data: Any, secrets: Iterable[str] | None = None) -> Any:
     if isinstance(data, dict):
         return {
             redact_text(str(k), secrets): REDACTED
-            if isinstance(v, str) and v and SECRET_KEY.search(str(k))
+            if isinstance(v, str) and v and secret_key(str(k))
             else redact_data(v, secrets)
             for k, v in data.items()
         }

@@ -6,7 +6,9 @@ remote holds every object `dvc.lock` (and any `.dvc` file) names -- the entries 
 manifests included -- and every run-cache entry, push every experiment (`dvc exp push`: refs and
 outputs) and verify it, optionally stop the servers, commit `dvc.lock` with its params.yaml
 and the notes (every finding in them) and push git, then print what is safe and where and what
-is NOT. `--dry-run` runs every check that writes nothing and gives the verdict it would.
+is NOT. Every git push goes to the remote the branch tracks (`git_target`), and none happens
+while what it would send holds a secret (`outgoing`). `--dry-run` runs every check that
+writes nothing and gives the verdict it would.
 Any step that fails becomes a NOT SAFE finding; nothing here raises past `salvage`.
 """
 
@@ -27,6 +29,7 @@ from draftline.ops import node_snapshot, redaction, remote
 from draftline.ops.salvage.experiments import check_experiments
 from draftline.ops.salvage.finding import Finding, format_finding
 from draftline.ops.salvage.git_state import commit_and_push, no_git_remote, to_commit, uncommitted
+from draftline.ops.salvage.git_target import GitTarget, git_target, remotes_finding
 from draftline.ops.salvage.node_checks import (
     cache_writable,
     disk_space,
@@ -43,6 +46,7 @@ from draftline.ops.salvage.notes import (
     known_secrets,
     write_notes,
 )
+from draftline.ops.salvage.outgoing import secrets_in_outgoing
 from draftline.ops.salvage.params_state import params_findings
 from draftline.ops.salvage.remote_outputs import (
     Verification,
@@ -152,6 +156,9 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
     findings += partial_journals(root, locked_stages(root))
     findings += disk_space([root, notes], opts.min_free_bytes)
     findings += cache_writable(_cache_dir(root))
+    target = git_target(root)
+    findings += remotes_finding(target)
+    stopped = _screen(findings, root, target)
 
     if opts.dry_run:
         out("draftline salvage --dry-run: the plan")
@@ -163,10 +170,11 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
             )
             if now is not None:
                 findings += verification_findings(now, info.url)
-        findings += _experiments(findings, root, info if remote_ok else None, write=False)[0]
+        info_ok = info if remote_ok else None
+        findings += _experiments(findings, root, info_ok, target, False, stopped)[0]
         findings += params_findings(root)
         if opts.commit and opts.push_git:
-            findings += no_git_remote(root)
+            findings += no_git_remote(target, stopped)
         findings += uncommitted(root, to_commit(root))
         out("found (nothing was changed):")
         return _verdict(findings, secrets, out, "VERDICT (dry run, nothing changed):")
@@ -195,7 +203,9 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
         if verification is not None:
             findings += verification_findings(verification, info.url)
 
-    found, experiments = _experiments(findings, root, info if remote_ok else None, write=True)
+    found, experiments = _experiments(
+        findings, root, info if remote_ok else None, target, True, stopped
+    )
     findings += found
 
     if opts.stop_servers:
@@ -223,7 +233,8 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
         if opts.commit:
             host = socket.gethostname()
             message = f"salvage: dvc.lock and notes from {host} at {now:%Y-%m-%d %H:%M}Z"
-            findings += commit_and_push(root, notes, message, opts.push_git)
+            push_to = target if opts.push_git else None
+            findings += commit_and_push(root, notes, message, push_to, stopped)
     elif committing:
         findings.append(
             Finding(
@@ -236,15 +247,35 @@ def salvage(opts: Options, out: Callable[[str], None] = print) -> int:
 
 
 def _experiments(
-    findings: list[Finding], root: Path, info: remote.RemoteInfo | None, write: bool
+    findings: list[Finding],
+    root: Path,
+    info: remote.RemoteInfo | None,
+    target: GitTarget,
+    write: bool,
+    stopped: bool = False,
 ) -> tuple[list[Finding], list[dict[str, Any]]]:
     where = info.url if info else ""
     checked = _guard(
         findings,
         "saving experiments",
-        lambda: check_experiments(root, info.name if info else None, where, write),
+        lambda: check_experiments(root, target, info.name if info else None, where, write, stopped),
     )
     return checked or ([], [])
+
+
+def _screen(findings: list[Finding], root: Path, target: GitTarget) -> bool:
+    """Whether to stop every git push of this run: what it would send holds a secret, or
+    could not be read (each a NOT SAFE finding)."""
+    if target.remote is None:
+        return False
+    remote_name = target.remote
+    found = _guard(
+        findings, "reading what git would push", lambda: secrets_in_outgoing(root, remote_name)
+    )
+    if found is None:
+        return True
+    findings += found
+    return bool(found)
 
 
 def _verdict(

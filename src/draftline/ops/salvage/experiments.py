@@ -16,6 +16,7 @@ from pathlib import Path
 
 from draftline.ops import redaction
 from draftline.ops.salvage.finding import Finding
+from draftline.ops.salvage.git_target import GitTarget
 from draftline.ops.salvage.remote_outputs import lock_outputs, verify_remote
 
 
@@ -45,11 +46,6 @@ def experiments(root: Path) -> list[Experiment]:
     return sorted(found, key=lambda e: e.name)
 
 
-def git_remote(root: Path) -> str | None:
-    remotes = _git(root, "remote").stdout.split()
-    return "origin" if "origin" in remotes else (remotes[0] if remotes else None)
-
-
 def remote_refs(root: Path, remote: str) -> dict[str, str] | None:
     """ref -> commit of the experiments the git remote holds; None when it cannot be read."""
     done = _git(root, "ls-remote", remote, "refs/exps/*")
@@ -68,27 +64,33 @@ def push(root: Path, remote: str, dvc_remote: str) -> tuple[bool, str]:
 
 
 def check_experiments(
-    root: Path, dvc_remote: str | None, where: str, write: bool
+    root: Path,
+    target: GitTarget,
+    dvc_remote: str | None,
+    where: str,
+    write: bool,
+    stopped: bool = False,
 ) -> tuple[list[Finding], list[dict[str, object]]]:
-    """Push (when `write`) and verify every experiment; findings and a summary for the notes."""
+    """Push (when `write` and not `stopped` by a secret in what git would push) and verify
+    every experiment; findings and a summary for the notes."""
     found = experiments(root)
     if not found:
         return [Finding(True, "experiments: none on this node (`dvc exp list -A`)")], []
     names = ", ".join(e.name for e in found)
-    remote = git_remote(root)
+    remote = target.remote
     if remote is None:
+        push_all = f"`dvc exp push <git remote> --all-commits -r {dvc_remote or '<dvc remote>'}`"
         return [
             Finding(
                 False,
                 f"{len(found)} experiments ({names}) exist only on this node: no git remote to "
-                "push their refs to",
-                "`git remote add origin URL`, then `draftline salvage` again (it runs `dvc exp "
-                f"push origin --all-commits -r {dvc_remote or '<dvc remote>'}`)",
+                "push their refs to" + (f" ({target.why})" if target.others else ""),
+                f"{target.fix}, then `draftline salvage` again (it runs {push_all})",
             )
         ], [_summary(e, False, None) for e in found]
     findings: list[Finding] = []
     retry = f"`dvc exp push {remote} --all-commits -r {dvc_remote or '<dvc remote>'}`"
-    if write and dvc_remote:
+    if write and dvc_remote and not stopped:
         ok, output = push(root, remote, dvc_remote)
         if not ok:
             tail = " | ".join(output.strip().splitlines()[-3:])[:500]
@@ -116,14 +118,18 @@ def check_experiments(
                 f" and {len(missing) - 5} more" if missing[5:] else ""
             )
             lacks.append(f"{len(missing)} outputs not in {where}: {shown}")
+        if stopped:
+            fix = "remove the secret named above, then `draftline salvage` again"
+        elif write:
+            fix = f"{retry} (or `dvc exp push {remote} {exp.name} -r ...`) and salvage again"
+        else:
+            fix = f"run `draftline salvage` (it runs {retry})"
         findings.append(
             Finding(
                 False,
                 f"experiment {exp.name} ({exp.commit[:7]}) is only on this node: "
                 + "; ".join(lacks),
-                f"run `draftline salvage` (it runs {retry})"
-                if not write
-                else f"{retry} (or `dvc exp push {remote} {exp.name} -r ...`) and salvage again",
+                fix,
                 label="WOULD BE LOST",
             )
         )

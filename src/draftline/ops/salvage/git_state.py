@@ -10,6 +10,7 @@ from pathlib import Path
 
 from draftline.ops import redaction
 from draftline.ops.salvage.finding import Finding
+from draftline.ops.salvage.git_target import GitTarget
 from draftline.ops.salvage.remote_outputs import uncached_outputs
 
 # --- git -----------------------------------------------------------------------------------
@@ -45,7 +46,12 @@ def to_commit(root: Path) -> list[str]:
     return [c[3:].strip().strip('"') for c in git_changes(root) if _bookkeeping(c, uncached)]
 
 
-def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[Finding]:
+def commit_and_push(
+    root: Path, notes: Path, message: str, target: GitTarget | None, stopped: bool = False
+) -> list[Finding]:
+    """Commit the notes and what git carries, and push them (and annotated tags) to `target`;
+    `target` None: commit only (--no-push-git); `stopped`: a secret in what git would push,
+    named in its own finding, holds the push back."""
     note_path = str(notes.relative_to(root))
     kept = to_commit(root)
     paths = sorted({note_path, *kept})
@@ -74,7 +80,7 @@ def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[F
         ]
     rev = _git(root, "rev-parse", "--short", "HEAD").stdout.strip()
     findings = [Finding(True, f"committed {', '.join(paths)} as {rev}")]
-    if not push:
+    if target is None:
         return findings + [
             Finding(
                 False,
@@ -82,39 +88,68 @@ def commit_and_push(root: Path, notes: Path, message: str, push: bool) -> list[F
                 "git push it before shutting down",
             )
         ]
-    remotes = _git(root, "remote").stdout.split()
-    if not remotes:
+    if target.remote is None:
         return findings + [
             Finding(
                 False,
-                f"no git remote: commit {rev} is only on this node",
-                "`git remote add origin URL && git push -u origin HEAD`",
+                f"{target.why}: commit {rev} is only on this node",
+                f"{target.fix}, then `draftline salvage` again",
             )
         ]
-    has_upstream = _git(root, "rev-parse", "--abbrev-ref", "@{u}").returncode == 0
-    target = "origin" if "origin" in remotes else remotes[0]
-    pushed = _git(root, "push") if has_upstream else _git(root, "push", "-u", target, "HEAD")
-    if pushed.returncode != 0:
-        why = redaction.redact_text(pushed.stderr.strip())[:300]
+    if stopped:
         return findings + [
             Finding(
-                False, f"git push failed: {why}", "push the commit by hand before shutting down"
+                False,
+                f"commit {rev} is only on this node: the git push to {target.remote} is stopped",
+                "remove the secret named above, then `draftline salvage` again",
             )
         ]
-    return findings + [Finding(True, f"git: {rev} pushed to {target}")]
+    pushed = _git(root, "push", "--porcelain", "--follow-tags", *target.push_args())
+    if pushed.returncode != 0:
+        # --porcelain reports a rejected ref (`!`, and why) on stdout, git's error on stderr.
+        rejected = [
+            line.replace("\t", " ") for line in pushed.stdout.splitlines() if line[:1] == "!"
+        ]
+        why = redaction.redact_text(" | ".join([*rejected, pushed.stderr.strip()]))[:300]
+        return findings + [
+            Finding(
+                False,
+                f"git push to {target.remote} failed: {why}",
+                "push the commit by hand before shutting down",
+            )
+        ]
+    tags = _pushed_tags(pushed.stdout)
+    also = f" with tags {', '.join(tags)}" if tags else ""
+    return findings + [Finding(True, f"git: {rev}{also} pushed to {target.describe()}")]
 
 
-def no_git_remote(root: Path) -> list[Finding]:
+def _pushed_tags(porcelain: str) -> list[str]:
+    """The tags `git push --porcelain` reports sent (flag `*` new, `+` forced)."""
+    return [
+        fields[1].split(":", 1)[0].removeprefix("refs/tags/")
+        for fields in (line.split("\t") for line in porcelain.splitlines())
+        if len(fields) >= 2 and fields[0] in ("*", "+") and fields[1].startswith("refs/tags/")
+    ]
+
+
+def no_git_remote(target: GitTarget, stopped: bool = False) -> list[Finding]:
     """For a dry run: where the salvage commit would go."""
-    remotes = _git(root, "remote").stdout.split()
-    if remotes:
-        target = "origin" if "origin" in remotes else remotes[0]
-        return [Finding(True, f"git: the salvage commit would be pushed to {target}")]
+    if stopped:
+        return [
+            Finding(
+                False,
+                f"git: the salvage commit would stay on this node: the push to {target.remote} "
+                "is stopped",
+                "remove the secret named above, then run `draftline salvage`",
+            )
+        ]
+    if target.remote is not None:
+        return [Finding(True, f"git: the salvage commit would be pushed to {target.describe()}")]
     return [
         Finding(
             False,
-            "no git remote: the salvage commit would stay on this node",
-            "`git remote add origin URL`, then run `draftline salvage`",
+            f"{target.why}: the salvage commit would stay on this node",
+            f"{target.fix}, then run `draftline salvage`",
         )
     ]
 
