@@ -44,8 +44,9 @@ def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedPr
     return done
 
 
-def copy_project(dest: Path) -> Path:
-    """This checkout's tracked and untracked (not ignored) files, as a fresh git repository."""
+def copy_project(dest: Path, as_committed: bool = False) -> Path:
+    """This checkout's tracked and untracked (not ignored) files, as a fresh git repository;
+    with `as_committed`, the earlier run's dvc.lock, metrics and plots too, as a clone has."""
     dest.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
@@ -53,7 +54,8 @@ def copy_project(dest: Path) -> Path:
     ).stdout.splitlines()  # fmt: skip
     for rel in listed:
         kept = rel.endswith(".gitkeep")  # folders declared in dvc.yaml (metrics/bench)
-        if (rel.startswith(NOT_COPIED) and not kept) or not (ROOT / rel).is_file():
+        left_out = rel.startswith(NOT_COPIED) and not kept and not as_committed
+        if left_out or not (ROOT / rel).is_file():
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dest / rel)

@@ -31,8 +31,10 @@ RUN = "tiny"
 
 
 def make_origin(tmp: Path, env: dict[str, str]) -> Path:
-    """A bare origin holding this project with SMALL composed into params.yaml."""
-    seed = copy_project(tmp / "seed")
+    """A bare origin holding this project with SMALL composed into params.yaml, and the
+    committed run's dvc.lock as main has it (its training entries are of the committed
+    composition: stale here, as after any `draftline compose`)."""
+    seed = copy_project(tmp / "seed", as_committed=True)
     run([str(BIN / "draftline"), "compose", *SMALL], seed, env)
     run(["git", "add", "-A"], seed, env)
     run(["git", "commit", "-qm", "small run"], seed, env)
@@ -100,6 +102,25 @@ def wait_for(
             raise AssertionError(f"ended ({proc.returncode}) before {text!r}:\n{tail(node, log)}")
         time.sleep(0.2)
     raise AssertionError(f"no {text!r} within {timeout:.0f} s:\n{tail(node, log)}")
+
+
+def wait_for_either(
+    watched: list[tuple[Path, str, subprocess.Popen[bytes]]], text: str, timeout: float
+) -> None:
+    """Until `text` appears in the log of any of the (node, log, process) watched; fails when
+    one fails or all have ended."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for node, log, proc in watched:
+            path = node / log
+            if path.exists() and text in path.read_text(errors="replace"):
+                return
+            if proc.poll():
+                raise AssertionError(f"ended ({proc.returncode}):\n{tail(node, log)}")
+        if all(proc.poll() is not None for _, _, proc in watched):
+            raise AssertionError(f"all ended before {text!r}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} within {timeout:.0f} s")
 
 
 def finish(proc: subprocess.Popen[bytes], node: Path, log: str, timeout: float) -> None:

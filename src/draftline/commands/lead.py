@@ -14,6 +14,7 @@ from pathlib import Path
 
 from draftline.ops import two_nodes
 from draftline.runtime import params
+from draftline.runtime.arg_types import non_negative
 
 EXAMPLES = """examples:
   draftline lead                          # run name: this branch's name
@@ -26,6 +27,13 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--remote", default="origin", help="git remote both nodes push to")
     parser.add_argument("--repo", default=".", help="repository root (default: .)")
+    parser.add_argument(
+        "--retry-s",
+        type=non_negative,
+        default=two_nodes.DEFAULT_BUDGET_S,
+        help="how long the git or DVC remote may stay unreachable before the run stops "
+        "(retried with growing pauses; default: %(default)g)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +53,7 @@ def node_of(args: argparse.Namespace) -> two_nodes.Node:
         if done.returncode or name == "HEAD":
             raise SystemExit("no branch checked out here: name the run with --run NAME")
         name = name.split("/", 1)[1] if name.startswith(("generate/", "train/")) else name
-    return two_nodes.Node(root=root, run_name=name, remote=args.remote)
+    return two_nodes.Node(root=root, run_name=name, remote=args.remote, retry_s=args.retry_s)
 
 
 def run(args: argparse.Namespace) -> int:

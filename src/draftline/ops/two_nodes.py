@@ -13,6 +13,14 @@ its own stages. Its lock is therefore a superset of the generator's; at the end 
 that every generator entry is the same in both and records the generator's branch as merged
 (`git merge -s ours`: the follower's tree already holds all of it). No textual merge of
 `dvc.lock` ever happens.
+
+Which entries: both nodes are clones of a commit whose `dvc.lock` may already list every stage
+(an earlier run, another composition). Only the stages the generator ran in this run count,
+and it says which in `RECORD` on its branch (rewritten at each start and after each stage, with
+the params it runs on). The follower takes and compares those entries only, checks the
+generator's params against its own at every look, so a restart on other weights stops it before
+it trains a row of them, and claims the run first (`run_claim`): one follower per run. Every
+call that reaches a remote rides out an outage for `retry_s` seconds (`retrying`).
 """
 
 from __future__ import annotations
@@ -28,8 +36,14 @@ from typing import Any
 
 import yaml
 
+from draftline.ops import run_claim
+from draftline.ops.retrying import DEFAULT_BUDGET_S, is_final, run_retrying
+
 LOCK = "dvc.lock"
 EVENTS = Path("logs/runs/two_nodes")  # per node: which stage ran when (JSON lines, untracked)
+# On the generator's branch only: the stages it ran in this run (tracked, so that it travels
+# with the lock it describes, in the same commit).
+RECORD = "reports/lead.json"
 
 
 class StageFailed(SystemExit):
@@ -85,6 +99,7 @@ class Node:
     out: Callable[[str], None] = print
     remote: str = "origin"
     role: str = "generate"
+    retry_s: float = DEFAULT_BUDGET_S  # how long a remote may stay unreachable
 
     @property
     def generate_branch(self) -> str:
@@ -113,17 +128,34 @@ class Node:
             raise StageFailed(f"{name} failed; the run stops here:\n{tail}")
         self.say(f"{name}: done in {ended - began:.0f} s")
 
-    def publish(self, stages: list[str], branch: str, message: str) -> None:
+    @property
+    def rerun(self) -> str:
+        return f"draftline {'lead' if self.role == 'generate' else 'follow'} --run {self.run_name}"
+
+    def remote_call(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        """A command that reaches a remote, retried through an outage; fails on a final no."""
+        done = run_retrying(
+            self.root, list(cmd), budget_s=self.retry_s, say=self.say, rerun=self.rerun
+        )
+        if done.returncode:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+            raise StageFailed(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{tail}")
+        return done
+
+    def publish(
+        self, stages: list[str], branch: str, message: str, extra: tuple[str, ...] = ()
+    ) -> None:
         """Push the stages' cached outputs to the DVC remote, then commit the lock and their
         git-tracked outputs and push them to this node's branch."""
-        run(self.root, "dvc", "push", *stages)
-        paths = [LOCK, "params.yaml", *uncached_outs(self.root, stages)]
+        if stages:
+            self.remote_call("dvc", "push", *stages)
+        paths = [LOCK, "params.yaml", *extra, *uncached_outs(self.root, stages)]
         present = [p for p in paths if (self.root / p).exists()]
         run(self.root, "git", "add", "--", *present)
         staged = run(self.root, "git", "diff", "--cached", "--quiet", check=False)
         if staged.returncode:
             run(self.root, "git", "commit", "-q", "-m", message)
-        run(self.root, "git", "push", "-q", self.remote, f"HEAD:refs/heads/{branch}")
+        self.remote_call("git", "push", "-q", self.remote, f"HEAD:refs/heads/{branch}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,25 +164,54 @@ class Node:
 
 def lead(node: Node, shard_ids: list[int]) -> int:
     """Run the generation stages in order, pushing each as it finishes: a node lost mid-run
-    loses at most the shard in flight, which its journal resumes on the next `lead`."""
+    loses at most the shard in flight, which its journal resumes on the next `lead`.
+
+    At each start the record of what ran is emptied and pushed with the params first, so a
+    follower sees a restart on other params at once; a stage already recorded by DVC reruns in
+    seconds and is listed again."""
     node.role = "generate"
+    ran: list[str] = []
+    write_record(node, ran)
+    node.publish([], node.generate_branch, f"lead started ({node.run_name})", extra=(RECORD,))
     for name in generation_stages(shard_ids):
         node.stage(name)
-        node.publish([name], node.generate_branch, f"{name}: generated ({node.run_name})")
+        ran.append(name)
+        write_record(node, ran)
+        node.publish(
+            [name], node.generate_branch, f"{name}: generated ({node.run_name})", extra=(RECORD,)
+        )
         node.say(f"{name}: pushed (outputs to the DVC remote, lock to {node.generate_branch})")
     node.say(f"generation done: every stage is on {node.generate_branch}; this node may go")
     return 0
+
+
+def write_record(node: Node, ran: list[str]) -> None:
+    record = {"run": node.run_name, "stages": ran}
+    path = node.root / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+def read_record(text: str | None) -> list[str]:
+    """The stages the generator ran in this run, from its branch (none before it started)."""
+    if not text:
+        return []
+    try:
+        return [str(s) for s in json.loads(text).get("stages") or []]
+    except (json.JSONDecodeError, AttributeError):
+        return []
 
 
 # ---------------------------------------------------------------------------------------------
 # The training node
 
 
-def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0) -> int:
+def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0, take_over: bool = False) -> int:
     """Train on each shard as the generating node pushes it, until the drafter is evaluated.
     A rerun after a crash skips what DVC already recorded and resumes a link from its working
     checkpoint. Never runs a generation stage: it waits for it, saying what for."""
     node.role = "train"
+    node.say(run_claim.claim(node.root, node.remote, node.run_name, take_over=take_over))
     wanted = generation_stages(shard_ids)
     adopted: set[str] = set()
     position = 0  # index of the next shard whose stages run here
@@ -158,8 +219,10 @@ def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0) -> int:
     while True:
         ref = _fetch(node)
         if ref is not None:
+            check_params(node, ref)  # at every look: a restart on other params stops us here
+            ran = read_record(_show(node, ref, RECORD))
             lock = read_lock(_show(node, ref, LOCK))
-            new = [s for s in wanted if s in lock and s not in adopted]
+            new = [s for s in wanted if s in ran and s in lock and s not in adopted]
             if new:
                 adopt(node, ref, lock, new)
                 adopted.update(new)
@@ -192,12 +255,16 @@ def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0) -> int:
 def _fetch(node: Node) -> str | None:
     """Fetch the generator's branch; the ref to read it at, or None while it does not exist."""
     ref = f"refs/remotes/{node.remote}/{node.generate_branch}"
-    done = run(
+    done = run_retrying(
         node.root,
-        "git", "fetch", "-q", node.remote, f"+refs/heads/{node.generate_branch}:{ref}",
-        check=False,
+        ["git", "fetch", "-q", node.remote, f"+refs/heads/{node.generate_branch}:{ref}"],
+        budget_s=node.retry_s, say=node.say, rerun=node.rerun,
     )  # fmt: skip
-    return ref if done.returncode == 0 else None
+    if done.returncode == 0:
+        return ref
+    if is_final(done.stderr) and "couldn't find remote ref" in done.stderr:
+        return None  # the generator has not pushed yet
+    raise StageFailed(f"cannot read {node.generate_branch}: {done.stderr.strip()[-500:]}")
 
 
 def _show(node: Node, ref: str, path: str) -> str | None:
@@ -216,10 +283,8 @@ def _what(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
-    """Take the generator's finished stages as they are: their lock entries, their git-tracked
-    outputs from its branch, their cached outputs from the DVC remote; then check DVC sees
-    them up to date here (same code, same params)."""
+def check_params(node: Node, ref: str) -> None:
+    """Stop when the generator's params (all but hardware) differ from this node's."""
     theirs = _what(yaml.safe_load(_show(node, ref, "params.yaml") or "{}") or {})
     ours = _what(yaml.safe_load((node.root / "params.yaml").read_text(encoding="utf-8")) or {})
     if theirs != ours:
@@ -228,6 +293,12 @@ def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
             f"the generating node's params.yaml differs from this node's in {', '.join(differ)}"
             ": compose the same model, data and drafter on both (only hardware may differ)"
         )
+
+
+def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
+    """Take the generator's finished stages as they are: their lock entries, their git-tracked
+    outputs from its branch, their cached outputs from the DVC remote; then check DVC sees
+    them up to date here (same code, same params)."""
     from dvc.utils.serialize import modify_yaml
 
     with modify_yaml(node.root / LOCK) as data:
@@ -238,7 +309,7 @@ def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
     tracked = [p for p in uncached_outs(node.root, names) if _show(node, ref, p) is not None]
     if tracked:
         run(node.root, "git", "checkout", ref, "--", *tracked)
-    run(node.root, "dvc", "pull", "-q", *names)
+    node.remote_call("dvc", "pull", "-q", *names)
     checkable = [n for n in names if n != "curate"]  # curate's raw sources may live only there
     if checkable:
         status = json.loads(
@@ -253,16 +324,18 @@ def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
 
 
 def merge_generation(node: Node, ref: str | None) -> None:
-    """Record the generator's branch as merged, once every entry it wrote is the same here."""
+    """Record the generator's branch as merged, once every entry it wrote in this run is the
+    same here (entries the commit carried from earlier runs are no part of it)."""
     if ref is None:
         return
+    ran = read_record(_show(node, ref, RECORD))
     theirs = read_lock(_show(node, ref, LOCK))
     ours = read_lock((node.root / LOCK).read_text(encoding="utf-8"))
-    differ = [name for name, entry in theirs.items() if ours.get(name) != entry]
+    differ = [name for name in ran if ours.get(name) != theirs.get(name)]
     if differ:
         raise StageFailed(
             f"{', '.join(differ)} differ between {node.generate_branch} and this node's lock: "
             "not merged; compare the two branches' dvc.lock"
         )
     run(node.root, "git", "merge", "-q", "-s", "ours", "--no-edit", ref)
-    run(node.root, "git", "push", "-q", node.remote, f"HEAD:refs/heads/{node.train_branch}")
+    node.remote_call("git", "push", "-q", node.remote, f"HEAD:refs/heads/{node.train_branch}")
