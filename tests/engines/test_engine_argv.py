@@ -128,3 +128,14 @@ def test_a_removed_or_unknown_flag_is_named(verdicts):
         assert "unrecognized arguments: --mamba-scheduler-strategy" in verdicts[name]["error"]
     assert not verdicts["vllm, unknown flag"]["ok"]
     assert "--no-such-flag" in verdicts["vllm, unknown flag"]["error"]
+
+
+def test_the_drafter_of_an_fp8_target_is_served_as_trained(commands, verdicts):
+    """SGLang quantizes a draft model as it does the target unless told otherwise: with the
+    target in FP8, the bf16 drafter is served `unquant`, a value its parsers accept."""
+    for hardware in GPU_PROFILES:
+        name = f"qwen3_6_27b {hardware} dflash"
+        words = commands[name]
+        assert words[words.index("--quantization") + 1] == "fp8"
+        assert words[words.index("--speculative-draft-model-quantization") + 1] == "unquant"
+        assert verdicts[name]["ok"], verdicts[name]

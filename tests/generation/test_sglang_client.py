@@ -284,8 +284,9 @@ def test_priorities_are_sent_only_to_servers_that_schedule_by_them():
     request = Request("c#0", [1, 2, 3], priority=4)
     plain = json.loads(engine("http://127.0.0.1:1")._payload(request, 0))
     assert "priority" not in plain  # an older server would reject the field
-    ordered = json.loads(engine("http://127.0.0.1:1", priorities=True)._payload(request, 0))
-    assert ordered["priority"] == 4 and ordered["rid"] == "c#0-0"
+    client = engine("http://127.0.0.1:1", priorities=True)
+    ordered = json.loads(client._payload(request, 0))
+    assert ordered["priority"] == 4 and ordered["rid"] == f"c#0-0@{client.run_tag}"
 
 
 def test_a_turn_capped_to_its_room_in_the_context_is_served_where_the_full_ask_is_refused(
@@ -336,4 +337,48 @@ def test_a_sampled_turn_sends_its_own_seed_on_every_try():
     assert (
         "sampling_seed"
         not in json.loads(greedy._payload(Request("c#1", [1]), 0))["sampling_params"]
+    )
+
+
+def test_request_ids_differ_between_runs_while_the_seed_stays_the_turns(tmp_path):
+    """A resumed run asks the same turns again while an earlier run's request may still run in
+    the server, which refuses a duplicate rid with HTTP 400: each client (each run) tags its
+    rids, and the sampling seed stays a function of generate.seed and the turn id only."""
+    sampled = Sampling(max_new_tokens=8, temperature=1.0, seed=5)
+    first, second = (
+        SGLangEngine(ClientSettings(endpoints=("http://x",)), sampled, EOT) for _ in range(2)
+    )
+    turn = Request("c#1", [1])
+    one, two = (json.loads(c._payload(turn, attempt=0)) for c in (first, second))
+    assert one["rid"] != two["rid"]
+    assert one["rid"].startswith("c#1-0@") and two["rid"].startswith("c#1-0@")
+    assert one["sampling_params"]["sampling_seed"] == two["sampling_params"]["sampling_seed"]
+    assert one["sampling_params"]["sampling_seed"] == sampled.request_seed("c#1")
+    # Against a server: two runs of the same turns never send the same rid twice.
+    with StandIn(tmp_path) as s:
+        for _ in range(2):
+            run(engine(s.url), reqs(3))
+        rids = s.rids()
+    assert len(rids) == 6 and len(set(rids)) == 6
+    assert sorted(s.sample_ids()) == sorted(r.id for r in reqs(3) * 2)
+
+
+def test_a_nan_step_is_an_error_never_a_clean_stop(tmp_path):
+    """SGLang ends a turn whose step had NaN logits as a stop (`"matched": "NaN happened"`,
+    a stop token written where the token would be): the client records an error row."""
+    nan = [1, 299, 2]  # the stand-in's marked prompt
+    with StandIn(tmp_path, "--nan-token", "299") as s:
+        out = run(engine(s.url), [Request("nan", nan), *reqs(2)])
+        assert s.sample_ids().count("nan") == 1  # like an abort: recorded, not retried
+    assert out["nan"].finish_reason == "error" and "NaN" in (out["nan"].error or "")
+    assert out["nan"].completion_ids == []
+    assert all(out[r.id].finish_reason == "stop" for r in reqs(2))
+    # The answer itself ends on the stop token, as a clean stop would.
+    answer = completion_for(nan, {"max_new_tokens": 64, "stop_token_ids": [EOT]}, nan_opts())
+    assert answer["output_ids"][-1] == EOT and answer["reason"]["matched"] == "NaN happened"
+
+
+def nan_opts() -> argparse.Namespace:
+    return build_parser().parse_args(
+        ["--vocab-low", "10", "--vocab-high", "300", "--nan-token", "299"]
     )

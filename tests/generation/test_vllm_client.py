@@ -44,7 +44,7 @@ def test_the_request_stops_at_the_end_of_turn_or_eos_and_asks_for_ids() -> None:
     # A turn whose prompt leaves less of the context than max_new_tokens asks for that much.
     capped = orjson.loads(engine._payload(Request("a", [1], max_new_tokens=5), attempt=0))
     assert capped["max_tokens"] == 5
-    assert body["request_id"] == "a-1" and "seed" not in body  # greedy: no seed
+    assert body["request_id"] == f"a-1@{engine.run_tag}" and "seed" not in body  # greedy: no seed
     sampled = VLLMEngine(ClientSettings(endpoints=("http://x",)), Sampling(8, 0.7, seed=3), EOT)
     one = orjson.loads(sampled._payload(Request("a", [1]), attempt=0))["seed"]
     again = orjson.loads(sampled._payload(Request("a", [1]), attempt=4))["seed"]

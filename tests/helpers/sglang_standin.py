@@ -35,7 +35,8 @@ resume is identical. `--mode` shapes completions: `think` (`<think> t.. </think>
 Faults, for the fault tests: `--p500` / `--p429` (share of requests answered 500 / 429),
 `--pdrop` (share whose connection is closed without an answer), `--delay` (seconds per answer;
 `--delay-spread S` adds up to S more, a function of the prompt, so answers take unequal times),
-`--die-after N` (the process exits abruptly after N answers). `--log FILE` appends every received
+`--die-after N` (the process exits abruptly after N answers), `--nan-token ID` (a prompt holding
+ID hits a NaN step: SGLang's `"matched": "NaN happened"` stop). `--log FILE` appends every received
 `rid` (flushed), so tests count what was generated; `--timing-log FILE` appends `<arrived>
 <answered> <rid>` (monotonic seconds) per answer, so tests measure how many requests the server
 had in flight. `--argv-log FILE` records the command line.
@@ -79,6 +80,16 @@ def completion_for(prompt: list[int], params: dict[str, Any], opts: argparse.Nam
         out.append(stops[0])
     if digest[4] < 256 * opts.one_token_share and stops:
         out = [stops[0]]  # the answer ends on its first token
+    if opts.nan_token in prompt:
+        # A step that sampled no valid token (NaN logits): SGLang 0.5.23 writes the first stop
+        # token, then the model's EOS, in its place and ends the request as a "stop"
+        # (`Req._check_vocab_boundary_finish`).
+        nan_at = min(3, len(out), max_new - 1)
+        written = opts.model_eos if opts.model_eos != -1 else (stops or [-1])[0]
+        return {
+            "output_ids": [*out[:nan_at], written],
+            "reason": {"type": "stop", "matched": "NaN happened"},
+        }
     ends = {*stops, opts.model_eos} - {-1}
     if params.get("ignore_eos"):
         ends = set()  # SGLang 0.5.23 skips stop_token_ids as well under ignore_eos
@@ -242,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--one-token-share", type=float, default=0.0, help="answers of one token")
+    p.add_argument(
+        "--nan-token", type=int, default=-1, help="a prompt with this id hits a NaN step"
+    )
     return p
 
 

@@ -101,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
     baseline = None
     if args.drafter:  # this node's servers, one at a time
-        timeout = float((p.get("generate") or {}).get("serve_timeout_s", 1800))
-        speculative = served(server, profile, model, args.drafter, timeout, measure, "drafter")
-        baseline = served(server, profile, model, None, timeout, measure, "baseline")
+        generate = p.get("generate") or {}
+        timeout = float(generate.get("serve_timeout_s", 1800))
+        speculative = served(
+            server, profile, model, args.drafter, timeout, measure, "drafter", generate
+        )
+        baseline = served(server, profile, model, None, timeout, measure, "baseline", generate)
         url = args.baseline_url = server.server_url(profile)
     else:
         speculative = measure(url, "drafter")
@@ -145,9 +148,11 @@ def served(
     timeout_s: float,
     measure: Callable[[str, str], Any],
     label: str,
+    generate: dict[str, Any] | None = None,
 ) -> Any:
     """Start the profile's server with `drafter` (None: without speculation), measure it and
-    stop it, so the next one has the node's GPUs to itself."""
+    stop it, so the next one has the node's GPUs to itself. `generate`: the run's section, for
+    SGLang's router timeout."""
     from draftline.generation import server_process, sglang_server
 
     port = server.bind_port(profile)
@@ -162,7 +167,8 @@ def served(
     spec = sglang_server.with_speculation(model, drafter, off=drafter is None)
     print(f"bench: starting the {label} server ({server.server_url(profile)})")
     try:
-        state = server.start(profile, spec, timeout_s=timeout_s)
+        options = {"generate": generate} if server is sglang_server else {}
+        state = server.start(profile, spec, timeout_s=timeout_s, **options)
     except sglang_server.ServeError as exc:
         raise SystemExit(f"bench: the {label} server did not start: {exc}") from exc
     try:

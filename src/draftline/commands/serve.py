@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,19 @@ def run(args: argparse.Namespace) -> int:
     server = vllm_server if profile.get("engine") == "vllm" else sglang_server
     try:
         model = sglang_server.with_speculation(p["model"], args.drafter, args.no_speculation)
-        command = server.server_command(profile, model, host=args.host, port=args.port)
+        generate = p.get("generate") or {}
+        # SGLang's router times requests out after the client does, with its overrides.
+        options = {"generate": generate} if server is sglang_server else {}
+        where = {"host": args.host, "port": args.port}
+        command = server.server_command(profile, model, **where, **options)
         if args.dry_run:
+            if server is sglang_server and (note := sglang_server.cache_note(profile, model)):
+                print(note, file=sys.stderr)  # stdout stays the command line alone
             env = server.server_env(profile, model)
             print(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + command))
             return 0
-        timeout = args.timeout or float((p.get("generate") or {}).get("serve_timeout_s", 1800))
-        state = server.start(profile, model, host=args.host, port=args.port, timeout_s=timeout)
+        timeout = args.timeout or float(generate.get("serve_timeout_s", 1800))
+        state = server.start(profile, model, timeout_s=timeout, **where, **options)
     except sglang_server.ServeError as exc:
         print(f"serve start failed: {exc}")
         return 1

@@ -122,8 +122,10 @@ def server_command(
     host: str | None = None,
     port: int | None = None,
     python: str | None = None,
+    generate: dict[str, Any] | None = None,
 ) -> list[str]:
-    """The SGLang launch command for this profile and target, flags in a stable order."""
+    """The SGLang launch command for this profile and target, flags in a stable order.
+    `generate`: the run's `generate` section, whose client timeout the router's must exceed."""
     sg = sglang_settings(profile)
     dp = int(sg.get("dp_size") or 1)
     module = "sglang_router.launch_server" if dp > 1 else "sglang.launch_server"
@@ -164,9 +166,13 @@ def server_command(
         ):
             if spec.get(key) is not None:
                 cmd += [flag, str(int(spec[key]))]
+        if spec.get("draft_model_path") and serving.get("quantization"):
+            # SGLang quantizes a draft model as it does the target unless told otherwise
+            # (0.5.23, arg_groups/serving_hook.py): serve the drafter as it was trained.
+            cmd += ["--speculative-draft-model-quantization", "unquant"]
     # A hybrid target needs no flag: `--mamba-radix-cache-strategy` defaults to `auto`, which
     # picks extra_buffer for Qwen3.5/3.6 (SGLang 0.5.23, arg_groups/overrides.py).
-    if sg.get("hierarchical_cache"):
+    if sg.get("hierarchical_cache") and not serving.get("deterministic_inference"):
         cmd += ["--enable-hierarchical-cache"]
         host_gb = host_cache.host_cache_gb(sg)
         if host_gb:
@@ -177,8 +183,10 @@ def server_command(
         # The router waits longer than the client does for the same answer, and leaves the
         # retrying to the client (which retries on another endpoint and journals): retries of
         # both would multiply, and a retried answer starts from scratch.
-        max_new = int(model.get("max_new_tokens") or 0)
-        cmd += ["--router-request-timeout-secs", str(timeouts.router_timeout_s(profile, max_new))]
+        gen = generate or {}
+        max_new = int(gen.get("max_new_tokens") or model.get("max_new_tokens") or 0)
+        router_s = timeouts.router_timeout_s(profile, max_new, gen.get("request_timeout_s"))
+        cmd += ["--router-request-timeout-secs", str(router_s)]
         cmd += ["--router-disable-retries"]
     # We send and receive token ids only: the server needs no tokenizer of its own (nor a
     # reasoning parser, which SGLang builds only with a tokenizer).
@@ -186,6 +194,21 @@ def server_command(
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def cache_note(profile: dict[str, Any], model: dict[str, Any]) -> str | None:
+    """The line `serve start` prints when deterministic inference costs the profile its
+    hierarchical cache (None otherwise). On Blackwell SGLang 0.5.23 runs deterministic
+    inference on flashinfer attention and turns the radix cache off for it, and the
+    hierarchical cache without the radix cache is a startup error: the command leaves it out."""
+    deterministic = (model.get("serving") or {}).get("deterministic_inference")
+    if not (deterministic and sglang_settings(profile).get("hierarchical_cache")):
+        return None
+    return (
+        "model.serving.deterministic_inference: serving without the hierarchical cache, which "
+        "needs the radix cache SGLang turns off for deterministic inference on Blackwell: "
+        "every turn prefills its whole history again"
+    )
 
 
 def context_length(profile: dict[str, Any], model: dict[str, Any]) -> int | None:
@@ -307,15 +330,18 @@ def start(
     timeout_s: float = 1800.0,
     root: Path = Path("."),
     env: dict[str, str] | None = None,
+    generate: dict[str, Any] | None = None,
 ) -> ServerState:
     """Start one SGLang server and wait until it and, behind a router, every DP engine answers
     `/health` (`server_process.launch`); a Python without SGLang fails first, naming the fix
-    (not in the server's log)."""
+    (not in the server's log). `generate` as for `server_command`."""
     if message := missing_engine(profile):
         raise ServeError(message)
+    if note := cache_note(profile, model):
+        print(note, file=sys.stderr)
     return launch(
         "sglang",
-        server_command(profile, model, host=host, port=port),
+        server_command(profile, model, host=host, port=port, generate=generate),
         {**server_env(profile, model), **(env or {})},
         port=bind_port(profile, port),
         url=server_url(profile, host, port),

@@ -4,9 +4,10 @@ A request's answer takes up to `max_new_tokens` at the decode rate one request g
 node runs `max_in_flight` of them: the profile's output tok/s (the low end of its range when it
 gives one) divided by `max_in_flight`. b200x8: 15,000 / 4,096 = 3.7 tok/s, so an 8,192-token
 thinking answer takes ~2,240 s; pro6000x4: 1,600 / 1,024 = 1.6 tok/s, ~5,240 s. The client's
-timeout is `SAFETY` times that; the router in front of DP engines gets `ROUTER_MARGIN_S` more,
-so the client, which retries on its own, always gives up first and no answer is cut by the
-router while the client still waits for it.
+timeout is `SAFETY` times that, or `generate.request_timeout_s` when set; the router in front of
+DP engines gets `ROUTER_MARGIN_S` more than the client's, whichever it is, so the client, which
+retries on its own, always gives up first and no answer is cut by the router while the client
+still waits for it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def client_timeout_s(
     return float(max(FLOOR_S, math.ceil(SAFETY * max_new_tokens / rate / 60) * 60))
 
 
-def router_timeout_s(profile: dict[str, Any], max_new_tokens: int) -> int:
-    """`--router-request-timeout-secs`: above the client's for the same answers."""
-    return int(client_timeout_s(profile, max_new_tokens)) + ROUTER_MARGIN_S
+def router_timeout_s(
+    profile: dict[str, Any], max_new_tokens: int, configured: float | None = None
+) -> int:
+    """`--router-request-timeout-secs`: above the client's for the same answers (`configured`:
+    `generate.request_timeout_s`, as the client gets it)."""
+    client = client_timeout_s(profile, max_new_tokens, configured)
+    return math.ceil(client) + ROUTER_MARGIN_S

@@ -84,7 +84,9 @@ def make_server_engine(
         if gen.get("autostart") and endpoints == [own]:
             print(f"no {name} server at {own}: starting one (generate.autostart)")
             try:
-                server.start(profile, p["model"], timeout_s=float(gen.get("serve_timeout_s", 1800)))
+                timeout = float(gen.get("serve_timeout_s", 1800))
+                options = {"generate": gen} if kind == "sglang" else {}
+                server.start(profile, p["model"], timeout_s=timeout, **options)
             except ServeError as exc:
                 raise SystemExit(f"generate: autostart failed: {exc}") from exc
         else:

@@ -3,7 +3,8 @@
 Request (one sample each): `{"input_ids": [...], "sampling_params": {...}, "rid": "..."}`.
 Response: `{"output_ids": [...], "text": ..., "meta_info": {"finish_reason": {"type": "stop",
 "matched": <id>} | {"type": "length", "length": n} | {"type": "abort", "message": ...},
-"prompt_tokens", "completion_tokens", ...}}`. Readiness is `GET /health`.
+"prompt_tokens", "completion_tokens", ...}}`. Readiness is `GET /health`. An abort, and a stop
+SGLang wrote at a NaN step (`"matched": "NaN happened"`), become `error` results.
 
 Requests are submitted while answers arrive (`submit`, `results`: the client's event loop runs
 in a thread of its own); at most `max_in_flight` are open at once (spread over the endpoints,
@@ -23,6 +24,7 @@ import heapq
 import os
 import queue
 import random
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +46,8 @@ from draftline.generation.engines.base import (
 )
 
 ENDPOINTS_ENV = "DRAFTLINE_SGLANG_ENDPOINTS"
+# `finish_reason.matched` of a turn SGLang stopped at a NaN step (0.5.23, schedule_batch.py).
+NAN_STOP = "NaN happened"
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,10 @@ def parse_response(
     if kind == "abort" or "output_ids" not in body:
         message = reason.get("message") if isinstance(reason, dict) else None
         return Result(id=sample_id, error=f"server aborted the request: {message or body}")
+    if kind == "stop" and isinstance(reason, dict) and reason.get("matched") == NAN_STOP:
+        # SGLang ends a request whose step sampled no valid token (NaN logits) with a stop
+        # token written in its place: not an answer of the model.
+        return Result(id=sample_id, error=f"the server hit NaN and stopped the turn: {reason}")
     ids, stopped = cut_at_stop(body["output_ids"], stops)
     if not stopped and kind == "stop" and isinstance(reason, dict):
         # Versions that trim the matched stop token from output_ids still name it in `matched`.
@@ -152,6 +160,9 @@ class SGLangEngine:
         self.requests_sent = 0
         self.retries = 0
         self._rng = random.Random()
+        # In every request id: a resumed run asks the same turns again, and SGLang refuses an
+        # id still running from an earlier run (HTTP 400 "Duplicate request ID").
+        self.run_tag = secrets.token_hex(4)
         self.serving = serving  # what the servers compute (the model's `serving` block)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -322,6 +333,11 @@ class SGLangEngine:
             )
         return Result(id=request.id, error=f"failed after {s.max_retries + 1} attempts: {last}")
 
+    def request_key(self, request: Request, attempt: int) -> str:
+        """The server's id of one try: `<turn id>-<attempt>@<run tag>`, unique per try and
+        per run (the sampling seed depends on the turn id only)."""
+        return f"{request.id}-{attempt}@{self.run_tag}"
+
     def _payload(self, request: Request, attempt: int) -> bytes:
         """The body of one request (one sample): the turn's own cap when the context leaves
         less than `max_new_tokens`, and a seed of its own when sampling (the same on every
@@ -336,7 +352,7 @@ class SGLangEngine:
         body: dict[str, Any] = {
             "input_ids": request.prompt_ids,
             "sampling_params": params,
-            "rid": f"{request.id}-{attempt}",
+            "rid": self.request_key(request, attempt),
         }
         if self.settings.priorities:
             body["priority"] = request.priority

@@ -90,7 +90,7 @@ class VLLMEngine(SGLangEngine):
         body = {
             **self.params,
             "prompt": request.prompt_ids,
-            "request_id": f"{request.id}-{attempt}",  # a retry is another request to the server
+            "request_id": self.request_key(request, attempt),  # a retry is another request
         }
         if request.max_new_tokens is not None:  # the context leaves less than max_tokens
             body["max_tokens"] = request.max_new_tokens
