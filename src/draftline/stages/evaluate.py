@@ -7,6 +7,11 @@ continuation, one target forward gives the features, and the chained walk scores
 drafter (`models/drafter/`) and, as the baseline, the same drafter untrained (same config,
 random init seeded by `drafter.seed`). Metrics for `dvc exp show`; plots of the per-position
 acceptance and of the commit-length histogram.
+
+The held-out prompts are every generated turn of each conversation, later turns (long contexts)
+as well as first ones, and reports/evaluate.json has tau per context-length bucket
+(`tau_by_context_length`): acceptance can hold at short contexts and collapse at long ones, which
+one tau over mostly short prompts hides.
 """
 
 from __future__ import annotations
@@ -14,19 +19,24 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftline.data.eval_sets import BENCHMARKS_DIR
 from draftline.runtime import hardware, params, run_log
 from draftline.runtime.atomic import write_text
 
+if TYPE_CHECKING:
+    from draftline.drafter.evaluation import TauReport
+
 # The figures that compare drafters; per-position acceptance and the commit histogram are plots.
 RESULT_KEYS = (
     "tau", "tau_untrained", "tau_ratio", "tau_sampled", "tau_sampled_untrained", "tau_thinking",
-    "tau_no_thinking", "tau_source", "benchmarks", "tau_per_cycle", "num_prompts",
-    "continuation_tokens_mean",
+    "tau_no_thinking", "tau_source", "benchmarks", "tau_by_context_length", "tau_per_cycle",
+    "num_prompts", "continuation_tokens_mean",
 )  # fmt: skip
 # What `dvc exp show` compares, in its column order (its first metric columns): tau greedy and
 # sampled, then per thinking mode, input file and benchmark where the held-out data has several.
@@ -56,29 +66,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def held_out_rows(
     path: Path, max_prompts: int, curated: Path | None = None
 ) -> list[dict[str, Any]]:
-    """The first `max_prompts` rows by id with a prompt: `prompt_ids`, `thinking` (the sample's
-    thinking mode; None in tables written before modes were recorded) and `source` (its input
-    file, from the `curated` eval table; None without it)."""
+    """At most `max_prompts` eval prompts from the conversations in id order, each with `id`,
+    `conversation` (its row's id), `prompt_ids`, `thinking` (the sample's thinking mode; None in
+    tables written before modes were recorded) and `source` (its input file, from the `curated`
+    eval table; None without it). One prompt per generated turn (`turn_prompt_ids`; id
+    `<conversation id>#<k>` for turn k from 0, as generate keys turns), failed turns left out; a
+    row without per-turn prompts (tables written before them) gives its `prompt_ids`, the prompt
+    of its last turn."""
     import pyarrow.parquet as pq
 
     if not path.is_file():
         raise SystemExit(f"evaluate: {path} not found: run `dvc repro generate_eval`")
     names = set(pq.read_schema(path).names)
-    columns = ["id", "prompt_ids", *(["thinking"] if "thinking" in names else [])]
-    rows = pq.read_table(path, columns=columns).to_pylist()
-    rows.sort(key=lambda r: r["id"])
-    kept = [{"thinking": None, **r} for r in rows if r["prompt_ids"]][:max_prompts]
+    optional = [c for c in ("thinking", "turn_prompt_ids", "turn_finish_reasons") if c in names]
+    table = pq.read_table(path, columns=["id", "prompt_ids", *optional]).sort_by("id")
+    # Whole conversations in id order, each with all its turns, until the cap: a conversation's
+    # turns run from its shortest context to its longest, so the set keeps later turns (long
+    # contexts) as the data has them, where first turns of more conversations would fill the cap
+    # with short prompts. Rows become Python lists only as far as the cap needs.
+    kept: list[dict[str, Any]] = []
+    for i in range(table.num_rows):
+        if len(kept) >= max_prompts:
+            break
+        kept.extend(turn_prompts(table.slice(i, 1).to_pylist()[0]))
+    kept = kept[:max_prompts]
     if not kept:
         raise SystemExit(f"evaluate: {path} has no prompts")
     sources: dict[str, str] = {}
     if curated is not None and curated.is_file():
-        table = pq.read_table(curated, columns=["id", "source"]).to_pydict()
-        sources = dict(zip(table["id"], table["source"], strict=True))
-    return [{**r, "source": sources.get(r["id"])} for r in kept]
+        curated_table = pq.read_table(curated, columns=["id", "source"]).to_pydict()
+        sources = dict(zip(curated_table["id"], curated_table["source"], strict=True))
+    return [{**r, "source": sources.get(r["conversation"])} for r in kept]
+
+
+def turn_prompts(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eval prompts of one conversation row, in turn order (see `held_out_rows`)."""
+    common = {"conversation": row["id"], "thinking": row.get("thinking")}
+    turns = row.get("turn_prompt_ids")
+    if turns is None:
+        prompt = row["prompt_ids"]
+        return [{**common, "id": row["id"], "prompt_ids": prompt}] if prompt else []
+    reasons = row.get("turn_finish_reasons") or []
+    return [
+        {**common, "id": f"{row['id']}#{k}", "prompt_ids": ids}
+        for k, ids in enumerate(turns)
+        if ids and (reasons[k] if k < len(reasons) else None) != "error"
+    ]
 
 
 def held_out_prompts(path: Path, max_prompts: int) -> list[list[int]]:
-    """Prompt ids of the first `max_prompts` rows by id (the table is sorted by id)."""
+    """Prompt ids of evaluate's held-out prompts (`held_out_rows`)."""
     return [list(r["prompt_ids"]) for r in held_out_rows(path, max_prompts)]
 
 
@@ -138,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
         for mode, key in ((True, "tau_thinking"), (False, "tau_no_thinking")):
             picked = [i for i, m in enumerate(modes) if m is mode]
             result[key] = held.reports["trained"].subset(picked).tau
+    # Short, medium and long prompts: tau of each.
+    lengths = [len(r["prompt_ids"]) for r in held_out]
+    result["tau_by_context_length"] = tau_by_context_length(held.reports["trained"], lengths)
     # Several input files: tau of each.
     sources = sorted({r["source"] for r in held_out if r["source"] is not None})
     if len(sources) > 1:
@@ -172,7 +212,57 @@ def run(args: argparse.Namespace) -> int:
         f"{len(held_out)} prompts, block size {trained.config.block_size}"
         + "".join(f"; {name} {b['tau']:.3f}" for name, b in result.get("benchmarks", {}).items())
     )
+    for line in bucket_lines(result["tau_by_context_length"]):
+        print(f"evaluate: {line}")
     return 0
+
+
+# Bucket names by how many buckets the prompts allow (`length_edges`).
+BUCKET_NAMES = {1: ("all",), 2: ("short", "long"), 3: ("short", "medium", "long")}
+
+
+def length_edges(lengths: Sequence[int]) -> list[int]:
+    """Edges between context-length buckets, in prompt tokens: the terciles of the lengths
+    (short < q1 <= medium < q2 <= long), by nearest rank, so the same prompts give the same
+    edges. Under 6 prompts the median alone (2 buckets), under 4 none (1 bucket): a bucket's tau
+    should not be one prompt's. An edge that would leave a bucket empty (tied lengths, fewer than
+    3 distinct ones) is dropped, so there are fewer buckets."""
+    ordered = sorted(lengths)
+    n = len(ordered)
+    buckets = max(1, min(3, n // 2))
+    ranks = ((n * i + buckets // 2) // buckets for i in range(1, buckets))
+    return sorted({ordered[r] for r in ranks} - {ordered[0]}) if n else []
+
+
+def tau_by_context_length(report: TauReport, lengths: Sequence[int]) -> dict[str, Any]:
+    """Tau of each context-length bucket (`length_edges`) of the prompts `report` scored, whose
+    prompt lengths are `lengths`: its prompt count and lengths, tau, and tau_sampled where the
+    report has it."""
+    edges = length_edges(lengths)
+    buckets: dict[str, Any] = {}
+    for b, name in enumerate(BUCKET_NAMES[len(edges) + 1]):
+        picked = [i for i, n in enumerate(lengths) if bisect_right(edges, n) == b]
+        part = report.subset(picked)
+        buckets[name] = {
+            "num_prompts": len(picked),
+            "min_prompt_tokens": min(lengths[i] for i in picked),
+            "max_prompt_tokens": max(lengths[i] for i in picked),
+            "tau": part.tau,
+            **({"tau_sampled": part.tau_sampled} if part.tau_sampled is not None else {}),
+        }
+    return {"edges": edges, "buckets": buckets}
+
+
+def bucket_lines(by_length: dict[str, Any]) -> list[str]:
+    """One line per context-length bucket, for the stage's output."""
+    lines = []
+    for name, b in by_length["buckets"].items():
+        sampled = f", sampled {b['tau_sampled']:.3f}" if "tau_sampled" in b else ""
+        lines.append(
+            f"tau at {name} context ({b['min_prompt_tokens']}-{b['max_prompt_tokens']} prompt "
+            f"tokens, {b['num_prompts']} prompts) {b['tau']:.3f}{sampled}"
+        )
+    return lines
 
 
 @dataclass
