@@ -51,7 +51,8 @@ from draftline.generation import server_process, vllm_server
 from draftline.generation.engines.base import Result, Sampling
 from draftline.generation.engines.sglang import ClientSettings
 from draftline.generation.engines.vllm import VLLMEngine, completion_params
-from draftline.generation.shards import Identity, ShardPaths, run_shard
+from draftline.generation.shards import run_shard
+from draftline.generation.table_record import Identity, ShardPaths
 from draftline.generation.turns import Conversation
 from draftline.runtime import hardware
 

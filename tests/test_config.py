@@ -167,7 +167,7 @@ def test_inconsistent_shard_list_names_the_fix(tmp_path: Path) -> None:
 
 
 def test_target_id_follows_the_files_not_their_folder(tmp_path: Path, tiny_target_dir: Path):
-    from draftline.runtime.resolvers import target_id
+    from draftline.core.target import target_id
 
     copy = tmp_path / "elsewhere"
     shutil.copytree(tiny_target_dir, copy)
@@ -181,7 +181,7 @@ def test_target_id_follows_the_files_not_their_folder(tmp_path: Path, tiny_targe
 
 
 def test_composed_target_id_is_the_hash_of_the_target_folder(repo_root: Path, monkeypatch) -> None:
-    from draftline.runtime.resolvers import target_id
+    from draftline.core.target import target_id
 
     monkeypatch.chdir(repo_root)  # model.path is relative to the repository root
     composed = params.compose([], repo_root / "conf")

@@ -66,6 +66,8 @@ def short_error(err: Exception) -> str | None:
     """One line naming the fix for a user's mistake (configuration, paths); None for a bug."""
     from hydra.errors import HydraException
 
+    from draftline.runtime.params import hydra_message
+
     if isinstance(err, HydraException):
         return hydra_message(str(err))
     if full := disk_full(err):
@@ -118,19 +120,6 @@ def disk_full(err: BaseException) -> str | None:
     return None
 
 
-def hydra_message(text: str) -> str:
-    """Hydra's short error on one line: options listed under a heading joined by commas, and
-    the config search path (Hydra's internals) left out."""
-    parts: list[str] = []
-    for line in text.split("Config search path:")[0].splitlines():
-        if line.startswith("\t") and parts:
-            sep = " " if parts[-1].endswith(":") else ", "
-            parts[-1] += sep + line.strip()
-        elif line.strip():
-            parts.append(line.strip().rstrip("."))
-    return "; ".join(parts)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in argv
@@ -141,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     if COMMANDS[name][0].startswith("draftline.stages.") and "DVC_STAGE" in os.environ:
-        from draftline.ops import stage_inputs
+        from draftline.runtime import stage_inputs
 
         stage_inputs.check_from_env()  # before the stage reads anything (--allow-missing)
     module = importlib.import_module(COMMANDS[name][0])

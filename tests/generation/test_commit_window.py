@@ -26,10 +26,10 @@ from helpers.generate_helpers import build_random_target, make_workdir
 
 from draftline.generation.engines.base import Result, Sampling
 from draftline.generation.journal import Journal
-from draftline.generation.shards import Identity
-from draftline.generation.table_record import mark_current
+from draftline.generation.shards import shard_paths
+from draftline.generation.table_record import Identity, mark_current
 from draftline.ops.salvage.node_checks import partial_journals
-from draftline.stages.generate import release_journals, shard_paths
+from draftline.stages.generate import release_journals
 
 KILL_HOOK = Path(__file__).resolve().parents[1] / "helpers/kill_hook"
 PHASES = ["journaled", "table", "recorded", "dvc-save", "dvc-commit"]

@@ -317,7 +317,7 @@ def test_journal_of_another_sampling_is_set_aside(tmp_path):
 def test_journal_of_another_chat_template_is_set_aside(tmp_path):
     """Fixing a broken template (same model, kwargs and sampling) must not resume its samples."""
     from draftline.generation.engines.base import Sampling
-    from draftline.generation.shards import Identity
+    from draftline.generation.table_record import Identity
 
     sampling = Sampling(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=8, seed=0)
     before, after = (
@@ -492,8 +492,12 @@ def test_a_shard_is_worked_ahead_on_only_when_its_table_is_not_current(tmp_path)
     shard: leave it. Another identity or curated shard: its stage will run again, work ahead.
     A table nothing is known about (an older draftline's, DVC's checkout): leave it."""
     from draftline.generation.engines.base import Sampling
-    from draftline.generation.shards import Identity, ShardPaths
-    from draftline.generation.table_record import mark_current, needs_generating
+    from draftline.generation.table_record import (
+        Identity,
+        ShardPaths,
+        mark_current,
+        needs_generating,
+    )
 
     paths = ShardPaths("shard-1", tmp_path / "curated.parquet", tmp_path / "out.parquet",
                        tmp_path / "run.json", tmp_path / "journal/shard-1.jsonl")  # fmt: skip

@@ -61,7 +61,7 @@ def assert_set_aside(run_log: dict, stdout: str, work: Path) -> None:
 
 
 def test_changed_weights_in_the_same_folder_resume_nothing(tmp_path, model_dir):
-    from draftline.runtime.resolvers import target_id
+    from draftline.core.target import target_id
 
     target = shutil.copytree(model_dir, tmp_path / "target")
     work = tmp_path / "work"

@@ -271,7 +271,7 @@ def test_changed_and_unfinished_inputs_are_refused_and_checkout_restores(story: 
 def test_the_guard_checks_only_stages_dvc_runs_and_can_be_switched_off(
     story: Story, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from draftline.ops import stage_inputs
+    from draftline.runtime import stage_inputs
 
     monkeypatch.setenv("DVC_ROOT", str(story.node_a))
     monkeypatch.setenv("DVC_STAGE", "validate")  # shards 2 and 3 are not in A's dvc.lock

@@ -23,6 +23,7 @@ from helpers.validate_stage import NUM_SHARDS, run_stage
 
 from draftline.generation.guard import Guard
 from draftline.quality import checks, shards, validation
+from draftline.quality.check_parts import CheckResult
 
 TURN_CHECKS = {"turn_supervised_tokens_min", "turn_answer_nonempty", "conversation_complete"}
 EARLIER_SUPERVISED = 40  # supervised tokens of each earlier turn (healthy)
@@ -66,7 +67,7 @@ def failed_names(table, quality_cfg, **kwargs):
     return {n for n, r in results_by_name(table, quality_cfg, **kwargs).items() if not r.passed}
 
 
-def assert_gx_agrees(table, quality_cfg, report_dir: Path) -> dict[str, checks.CheckResult]:
+def assert_gx_agrees(table, quality_cfg, report_dir: Path) -> dict[str, CheckResult]:
     """Run the real GX suites on `table`: every check has GX's verdict and observed value equal
     to pandas'. Returns the GX side by name."""
     frame = table.drop(columns=["completion_ids"])

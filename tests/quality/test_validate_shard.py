@@ -23,6 +23,7 @@ from helpers.generated_samples import (
 from helpers.validate_stage import NUM_SHARDS, run_stage, stage_args
 
 from draftline.quality import checks, shard_gate
+from draftline.quality.check_parts import Check
 from draftline.stages import validate as stage
 
 WHOLE_RUN_OUTPUTS = (
@@ -206,7 +207,7 @@ def test_a_shard_curate_does_not_know_or_a_missing_file_stops(workdir):
     assert not shard_verdict(workdir, 1).exists()
 
 
-def define(table: pd.DataFrame, quality: dict) -> list[checks.Check]:
+def define(table: pd.DataFrame, quality: dict) -> list[Check]:
     return checks.define_checks(table, quality, thinking=True, expected_rows=len(table))
 
 

@@ -227,8 +227,6 @@ def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] 
     """The params.yaml row, and the params the stages would read (stale or not)."""
     from hydra.errors import HydraException
 
-    from draftline.cli import hydra_message
-
     path = Path("params.yaml")
     if not path.exists():
         return ("params.yaml", False, "missing: run `draftline compose [overrides]`"), None
@@ -239,7 +237,7 @@ def _params_row(config_dir: str) -> tuple[tuple[str, bool, str], dict[str, Any] 
     try:
         current, used, _ = params.is_current(path, config_dir)
     except HydraException as err:
-        why = f"its overrides no longer compose: {hydra_message(str(err))}"
+        why = f"its overrides no longer compose: {params.hydra_message(str(err))}"
         return ("params.yaml", False, why), run_params
     command = shlex.join(["draftline", "compose", *used])
     if not current:

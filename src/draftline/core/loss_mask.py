@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from draftline.core import target
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -46,16 +48,15 @@ class CompletionStats:
 
 def special_ids(tokenizer: Any, end_of_turn_token: str) -> SpecialIds:
     """Look the special tokens up in the target tokenizer; the end-of-turn token must exist."""
-    from draftline.core.target import special_token_id
 
     def optional(token: str) -> int | None:
         try:
-            return special_token_id(tokenizer, token)
+            return target.special_token_id(tokenizer, token)
         except ValueError:
             return None
 
     return SpecialIds(
-        end_of_turn=special_token_id(tokenizer, end_of_turn_token),
+        end_of_turn=target.special_token_id(tokenizer, end_of_turn_token),
         think_start=optional(THINK_START),
         think_end=optional(THINK_END),
     )
@@ -103,6 +104,15 @@ def prompt_opens_think(prompt_ids: Sequence[int], ids: SpecialIds) -> bool:
     tokens = list(prompt_ids)
     opened = _rindex(tokens, ids.think_start)
     return opened is not None and ids.think_end not in tokens[opened + 1 :]
+
+
+def generation_prompt_opens_think(
+    tokenizer: Any, template_kwargs: dict, special: SpecialIds
+) -> bool:
+    """Whether the chat template opens `<think>` in the generation prompt (Qwen3.5/3.6 with
+    thinking on) rather than leaving it to the model (Qwen3)."""
+    probe = target.prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs)
+    return prompt_opens_think(probe, special)
 
 
 def completion_stats(

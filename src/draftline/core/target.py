@@ -29,8 +29,6 @@ def weights_id(model: dict[str, Any]) -> str | None:
     """
     import re
 
-    from draftline.runtime.resolvers import target_id
-
     path, revision = str(model["path"]), model.get("revision")
     if is_local(path):
         return target_id(path)
@@ -38,6 +36,37 @@ def weights_id(model: dict[str, Any]) -> str | None:
         return f"hub:{path}@{revision}"
     commit = cached_commit(path, str(revision or "main"))
     return f"hub:{path}@{commit}" if commit else None
+
+
+CHUNK = 1 << 20
+
+
+def target_id(path: str, revision: str | None = None) -> str:
+    """Identity of the target's weights, independent of where they are stored.
+
+    A local folder: sha256 over the relative names and bytes of its files (config, tokenizer,
+    chat template, weights), so a copy elsewhere has the same id and one changed byte a new one.
+    A hub id: the id and its revision (a pinned revision names fixed weights).
+    """
+    folder = Path(str(path))
+    if not folder.is_dir():
+        return f"hub:{path}@{revision or 'unpinned'}"
+    digest = hashlib.sha256()
+    files = sorted(
+        p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder))
+    )
+    for file in files:
+        digest.update(file.relative_to(folder).as_posix().encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return f"sha256:{digest.hexdigest()[:16]}"
+
+
+def _hidden(rel: Path) -> bool:
+    # .cache/ and .git/ hold download state, not the model.
+    return any(part.startswith(".") for part in rel.parts)
 
 
 def cached_commit(repo_id: str, ref: str) -> str | None:
@@ -190,15 +219,6 @@ def special_token_id(tokenizer: Any, token: str) -> int:
     if tid is None or tid == tokenizer.unk_token_id:
         raise ValueError(f"token {token!r} is not in the target tokenizer's vocabulary")
     return int(tid)
-
-
-def generation_prompt_opens_think(tokenizer: Any, template_kwargs: dict, special: Any) -> bool:
-    """Whether the chat template opens `<think>` in the generation prompt (Qwen3.5/3.6 with
-    thinking on) rather than leaving it to the model (Qwen3). `special`: loss_mask.SpecialIds."""
-    from draftline.core.loss_mask import prompt_opens_think
-
-    probe = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs)
-    return prompt_opens_think(probe, special)
 
 
 def hybrid_kernels_missing() -> list[str]:

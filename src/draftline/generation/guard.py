@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from draftline.quality import checks as quality_checks
+from draftline.quality.check_parts import MODE_COLUMN
 
 # Checks that say nothing about a window of journaled samples: ids are unique by construction.
 SKIPPED = {"unique_ids", "row_count"}
@@ -49,7 +50,7 @@ class Guard:
 
     def observe(self, row: Mapping[str, Any]) -> None:
         """Add one finished sample (the scalar columns of the generated table); may abort."""
-        keys = (*quality_checks.COLUMNS, "think_tokens", quality_checks.MODE_COLUMN)
+        keys = (*quality_checks.COLUMNS, "think_tokens", MODE_COLUMN)
         self.window.append({k: row[k] for k in keys if k in row})
         self.seen += 1
         if len(self.window) >= self.min_samples and self.seen % self.check_every == 0:

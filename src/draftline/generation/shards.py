@@ -32,17 +32,17 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draftline.core import target
 from draftline.core.loss_mask import SpecialIds
 from draftline.core.turn_prompts import regenerated_turns
 from draftline.data.conversations import messages_from_records
-from draftline.generation.engines.base import Engine, NoResult, Request, Result, Sampling
+from draftline.data.curation import shard_file_name
+from draftline.generation.engines.base import Engine, NoResult, Request, Result
 from draftline.generation.guard import Guard
 from draftline.generation.journal import Journal
 from draftline.generation.schedule import Scheduler
-from draftline.generation.table_record import mark_current
+from draftline.generation.table_record import Identity, ShardPaths, mark_current
 from draftline.generation.turns import Conversation, conversation_row, split_key, turn_row
-from draftline.runtime import atomic
+from draftline.runtime import atomic, run_log
 
 SCHEMA = pa.schema(
     [
@@ -64,6 +64,11 @@ SCHEMA = pa.schema(
         ("turn_finish_reasons", pa.list_(pa.string())),
         ("turn_loss_mask_sums", pa.list_(pa.int32())),
         ("turn_answer_tokens", pa.list_(pa.int32())),
+        # Every turn as the engine saw and wrote it (training rows per turn: extract.rows).
+        ("turn_prompt_ids", pa.list_(pa.list_(pa.int32()))),
+        ("turn_completion_ids", pa.list_(pa.list_(pa.int32()))),
+        ("turn_prompt_tokens", pa.list_(pa.int32())),
+        ("turn_completion_tokens", pa.list_(pa.int32())),
         ("completion_text", pa.string()),
         ("engine", pa.string()),
         ("model", pa.string()),
@@ -76,47 +81,26 @@ class ShardFailed(RuntimeError):
     """The shard cannot be written (too many errors): the journal keeps what finished."""
 
 
-@dataclass(frozen=True)
-class ShardPaths:
-    name: str  # "shard-3", "eval": for messages and the progress bar
-    curated: Path
-    output: Path
-    run_log: Path  # the shard's record (counts, timings, hardware): logs/runs/, not a DVC metric
-    journal: Path
+JOURNAL_DIR = Path(".draftline/journal/generate")
 
 
-@dataclass(frozen=True)
-class Identity:
-    """What decides a sample's tokens; a journal of another identity is not resumed from."""
-
-    model: str  # path@revision, a label only: the same weights in another folder resume
-    template_kwargs: dict[str, Any]
-    sampling: Sampling
-    # The template itself, so fixing a broken one never resumes the samples it produced.
-    chat_template_sha256: str = ""
-    # Share of samples generated with thinking on (`data.thinking_share`; the rest off).
-    thinking_share: float = 1.0
-    # Which assistant turns the target writes: "all" or "last" (`generate.regenerate_turns`).
-    regenerate_turns: str = "all"
-    # The weights (`core.target.weights_id`: a hash of the folder's files, or the hub commit),
-    # and the engine with what it computes (`Engine.identity()`, served settings included).
-    target_id: str = ""
-    engine: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "target_id": self.target_id,
-            "engine": self.engine,
-            "chat_template_kwargs": self.template_kwargs,
-            "chat_template_sha256": self.chat_template_sha256,
-            "sampling": self.sampling.as_dict(),
-            "thinking_share": self.thinking_share,
-            "regenerate_turns": self.regenerate_turns,
-        }
-
-    def kwargs_for(self, sample_id: str) -> dict[str, Any]:
-        """The chat-template kwargs this sample is rendered with (its thinking mode)."""
-        return target.sample_template_kwargs(self.template_kwargs, sample_id, self.thinking_share)
+def shard_paths(shard: int | None) -> ShardPaths:
+    """The files of train shard `shard`, or of the eval split (None)."""
+    if shard is None:
+        return ShardPaths(
+            name="eval",
+            curated=Path("data/curated/eval.parquet"),
+            output=Path("data/generated/eval.parquet"),
+            run_log=run_log.RUNS_DIR / "generate/eval.json",
+            journal=JOURNAL_DIR / "eval.jsonl",
+        )
+    return ShardPaths(
+        name=f"shard-{shard}",
+        curated=Path(f"data/curated/train/{shard_file_name(shard)}"),
+        output=Path(f"data/generated/train/{shard_file_name(shard)}"),
+        run_log=run_log.RUNS_DIR / f"generate/shard-{shard}.json",
+        journal=JOURNAL_DIR / f"shard-{shard}.jsonl",
+    )
 
 
 def read_curated(path: Path) -> list[dict[str, Any]]:

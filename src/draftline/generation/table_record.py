@@ -1,21 +1,64 @@
-"""What a shard's table was written from, kept beside its journal (working state, not a DVC
-output): a stage working ahead tells a current table from one another run left
-(`needs_generating`), and a journal is removed only once DVC has recorded and cached the table
-it wrote (`release_recorded`)."""
+"""A shard's files and identity, and what its table was written from, kept beside its journal
+(working state, not a DVC output): a stage working ahead tells a current table from one another
+run left (`needs_generating`), and a journal is removed only once DVC has recorded and cached the
+table it wrote (`release_recorded`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from draftline.core import target
+from draftline.generation.engines.base import Sampling
 from draftline.generation.journal import Journal
 from draftline.runtime import atomic
 
-if TYPE_CHECKING:
-    from draftline.generation.shards import Identity, ShardPaths
+
+@dataclass(frozen=True)
+class ShardPaths:
+    name: str  # "shard-3", "eval": for messages and the progress bar
+    curated: Path
+    output: Path
+    run_log: Path  # the shard's record (counts, timings, hardware): logs/runs/, not a DVC metric
+    journal: Path
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What decides a sample's tokens; a journal of another identity is not resumed from."""
+
+    model: str  # path@revision, a label only: the same weights in another folder resume
+    template_kwargs: dict[str, Any]
+    sampling: Sampling
+    # The template itself, so fixing a broken one never resumes the samples it produced.
+    chat_template_sha256: str = ""
+    # Share of samples generated with thinking on (`data.thinking_share`; the rest off).
+    thinking_share: float = 1.0
+    # Which assistant turns the target writes: "all" or "last" (`generate.regenerate_turns`).
+    regenerate_turns: str = "all"
+    # The weights (`core.target.weights_id`: a hash of the folder's files, or the hub commit),
+    # and the engine with what it computes (`Engine.identity()`, served settings included).
+    target_id: str = ""
+    engine: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target_id": self.target_id,
+            "engine": self.engine,
+            "chat_template_kwargs": self.template_kwargs,
+            "chat_template_sha256": self.chat_template_sha256,
+            "sampling": self.sampling.as_dict(),
+            "thinking_share": self.thinking_share,
+            "regenerate_turns": self.regenerate_turns,
+        }
+
+    def kwargs_for(self, sample_id: str) -> dict[str, Any]:
+        """The chat-template kwargs this sample is rendered with (its thinking mode)."""
+        return target.sample_template_kwargs(self.template_kwargs, sample_id, self.thinking_share)
 
 
 def _digest(path: Path) -> str:

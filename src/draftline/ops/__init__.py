@@ -1,1 +1,1 @@
-"""Operating a run: salvage, remotes, node snapshots, stage inputs, planning."""
+"""Operating a run: salvage, remotes, node snapshots, planning."""

@@ -1,11 +1,11 @@
 """The quality checks of generated data: one definition for the `validate` stage and the online
 guard in `generate`.
 
-Each check is declared once, as a `Check`: a pandas measurement over the scalar columns of the
-generated table (docs/pipeline.md), the bound it must meet, and the equivalent Great Expectations
-expectation (class name and arguments, so this module never imports GX). `run_checks` evaluates
-the measurements directly (fast, for the guard); `draftline.quality.validation` turns the same
-`Check`s into a GX suite.
+Each check is declared once, as a `Check` (`draftline.quality.check_parts`): a pandas
+measurement over the scalar columns of the generated table (docs/pipeline.md), the bound it must
+meet, and the equivalent Great Expectations expectation (class name and arguments, so this module
+never imports GX). `run_checks` evaluates the measurements directly (fast, for the guard);
+`draftline.quality.validation` turns the same `Check`s into a GX suite.
 
 Rows are split in two: every row (ids, row count, failed requests) and the *answered* rows, whose
 request did not fail (`finish_reason != "error"`): the completion checks judge only those, so a
@@ -17,12 +17,25 @@ Multi-turn conversations are also judged per turn and per conversation
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from draftline.quality import turns
+from draftline.quality.check_parts import (
+    Check,
+    CheckResult,
+    Rows,
+    Thresholds,
+    at_least_check,
+    gx_expected_share,
+    gx_unexpected_share,
+    mode_rows,
+    row_modes,
+    share_of,
+)
 
 # The scalar columns the checks read (docs/pipeline.md, "Generated table").
 COLUMNS = (
@@ -35,57 +48,6 @@ COLUMNS = (
     "loss_mask_sum",
     "completion_hash",
 )
-
-# Optional scalar column: the sample's thinking mode (`data.thinking_share`); without it every
-# row has the model's mode.
-MODE_COLUMN = "thinking"
-
-# Which rows a check judges: every row, the answered ones, or the answered ones of one thinking
-# mode (when a table mixes both, each mode is held to its own bounds); for multi-turn tables
-# also every turn (of one mode) and every conversation (`draftline.quality.turns`).
-Rows = Literal[
-    "all",
-    "answered",
-    "thinking",
-    "no_thinking",
-    "turns",
-    "turns_thinking",
-    "turns_no_thinking",
-    "conversations",
-]
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str  # e.g. "supervised_tokens_min"
-    description: str  # plain words: what is required
-    observed: float | None  # the measured statistic; None when there was nothing to measure
-    bound: str  # plain words, e.g. ">= 0.90 of samples"
-    passed: bool
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check: how to measure it with pandas and how GX expresses the same requirement."""
-
-    name: str
-    description: str
-    bound: str
-    rows: Rows  # which rows it judges (a key of `frames`)
-    measure: Callable[[pd.DataFrame], float | None]
-    accept: Callable[[float], bool]
-    expectation: str  # class name in great_expectations.expectations
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    # Checks with identical expectation and kwargs share one GX expectation; gx_part is this
-    # check's index in its per-part results (quantiles), None when it has the whole result.
-    gx_part: int | None = None
-    # Reads the same statistic from a GX expectation result (`result` dict) as `measure` gives.
-    gx_observed: Callable[[dict[str, Any]], float | None] = lambda r: None
-
-    def evaluate(self, rows: pd.DataFrame) -> CheckResult:
-        observed = self.measure(rows) if len(rows) or self.rows == "all" else None
-        passed = observed is not None and bool(self.accept(observed))
-        return CheckResult(self.name, self.description, observed, self.bound, passed)
 
 
 def completion_hash(completion_ids: Sequence[int] | np.ndarray) -> str:
@@ -113,18 +75,8 @@ def answered_rows(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["finish_reason"] != "error"]
 
 
-def row_modes(table: pd.DataFrame, thinking: bool) -> pd.Series:
-    """Per row, whether it was generated with thinking on: its `thinking` value, else the
-    model's mode (`thinking`)."""
-    if MODE_COLUMN not in table.columns:
-        return pd.Series(thinking, index=table.index, dtype=bool)
-    return table[MODE_COLUMN].astype("boolean").fillna(thinking).astype(bool)
-
-
 def frames(table: pd.DataFrame, thinking: bool) -> dict[str, pd.DataFrame]:
     """The rows each kind of check judges (see `Rows`)."""
-    from draftline.quality import turns  # it builds on this module: imported late, no cycle
-
     answered = answered_rows(table)
     mode = row_modes(answered, thinking)
     return {
@@ -154,8 +106,6 @@ def define_checks(
     of the mode that is not the model's own carry its name as a suffix. Multi-turn tables add the
     per-turn and per-conversation checks of `draftline.quality.turns`.
     """
-    from draftline.quality import turns
-
     q = Thresholds(quality)
     by_rows = frames(table, thinking)
     answered = by_rows["answered"]
@@ -200,7 +150,7 @@ def define_checks(
             accept=lambda v: v <= max_error,
             expectation="ExpectColumnValuesToNotBeInSet",
             kwargs={"column": "finish_reason", "value_set": ["error"], "mostly": 1 - max_error},
-            gx_observed=_gx_unexpected_share,
+            gx_observed=gx_unexpected_share,
         )
     )
 
@@ -236,7 +186,7 @@ def define_checks(
                 "value_set": [] if mode is None else [mode],
                 "mostly": 1 - max_mode,
             },
-            gx_observed=_gx_unexpected_share,
+            gx_observed=gx_unexpected_share,
         )
     )
     min_unique = q.share("min_unique_completion_share")
@@ -270,7 +220,7 @@ def define_checks(
                 "value_set": list(TRUNCATED),
                 "mostly": 1 - max_truncated,
             },
-            gx_observed=_gx_unexpected_share,
+            gx_observed=gx_unexpected_share,
         )
     )
     if thinking or mixed:
@@ -307,41 +257,6 @@ def define_checks(
     for kind, suffix in mode_rows(thinking, mixed):
         checks += _length_checks(q.quantile_ranges(kind), kind, suffix)
     return checks + turns.define_checks(by_rows, q, thinking=thinking)
-
-
-def at_least_check(
-    name: str,
-    description: str,
-    unit: str,
-    rows: Rows,
-    column: str,
-    min_value: int,
-    min_share: float,
-) -> Check:
-    """At least `min_share` of the rows have `column` >= `min_value`."""
-    return Check(
-        name=name,
-        description=description,
-        bound=f">= {min_share:.2f} of {unit}",
-        rows=rows,
-        measure=lambda t: share_of(t[column] >= min_value),
-        accept=lambda v: v >= min_share,
-        expectation="ExpectColumnValuesToBeBetween",
-        kwargs={"column": column, "min_value": min_value, "mostly": min_share},
-        gx_observed=gx_expected_share,
-    )
-
-
-def mode_rows(thinking: bool, mixed: bool) -> list[tuple[Rows, str]]:
-    """(rows, name suffix) of the checks held per thinking mode: all answered rows under the
-    model's mode, or each mode's rows when the table mixes them (the suffix names the mode that
-    is not the model's own)."""
-    if not mixed:
-        return [("answered", "")]
-    return [
-        (kind, "" if (kind == "thinking") == thinking else f"_{kind}")
-        for kind in ("thinking", "no_thinking")
-    ]
 
 
 def _length_checks(
@@ -415,52 +330,6 @@ def format_observed(value: float | None) -> str:
     return f"{value:.4f}"
 
 
-class Thresholds:
-    """Typed access to `params["quality"]` with errors that name the missing key."""
-
-    def __init__(self, quality: Mapping[str, Any]) -> None:
-        self._q = quality
-
-    def _get(self, key: str) -> Any:
-        if key not in self._q:
-            raise KeyError(f"quality.{key} is missing: set it in conf/quality/ (see default.yaml)")
-        return self._q[key]
-
-    def share(self, key: str) -> float:
-        value = float(self._get(key))
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"quality.{key}={value} must be a share between 0 and 1")
-        return value
-
-    def int(self, key: str, rows: str = "answered") -> int:
-        return int(self._get(self._for(key, rows)))
-
-    def _for(self, key: str, rows: str) -> str:
-        """The key that holds a bound for `rows`: rows without thinking take
-        `no_thinking_<key>` when it is set."""
-        if rows == "no_thinking" and self._q.get(f"no_thinking_{key}") is not None:
-            return f"no_thinking_{key}"
-        return key
-
-    def quantile_ranges(self, rows: str = "answered") -> list[tuple[float, tuple[float, float]]]:
-        key = self._for("completion_length_quantiles", rows)
-        spec = self._get(key)
-        quantiles, ranges = list(spec["quantiles"]), list(spec["ranges"])
-        if len(quantiles) != len(ranges):
-            raise ValueError(
-                f"quality.{key}: quantiles and ranges differ in length "
-                f"({len(quantiles)} vs {len(ranges)})"
-            )
-        return [
-            (float(q), (float(lo), float(hi)))
-            for q, (lo, hi) in zip(quantiles, ranges, strict=True)
-        ]
-
-
-def share_of(mask: pd.Series) -> float:
-    return float(mask.mean()) if len(mask) else 0.0
-
-
 def _mode(values: pd.Series) -> int | None:
     if not len(values):
         return None
@@ -475,16 +344,6 @@ def _quantile(values: pd.Series, q: float) -> float:
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _gx_unexpected_share(result: dict[str, Any]) -> float | None:
-    percent = result.get("unexpected_percent_nonmissing", result.get("unexpected_percent"))
-    return None if percent is None else float(percent) / 100.0
-
-
-def gx_expected_share(result: dict[str, Any]) -> float | None:
-    share = _gx_unexpected_share(result)
-    return None if share is None else 1.0 - share
 
 
 def _gx_quantile(result: dict[str, Any], part: int) -> float | None:

@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 
 from draftline.quality import checks, turns
+from draftline.quality.check_parts import CheckResult
 from draftline.runtime import atomic
 
 
 def validate_metrics(
-    table: pd.DataFrame, results: list[checks.CheckResult], passed: bool
+    table: pd.DataFrame, results: list[CheckResult], passed: bool
 ) -> dict[str, Any]:
     """Verdict and every observed statistic, flat enough for `dvc exp show`."""
     answered = checks.answered_rows(table)

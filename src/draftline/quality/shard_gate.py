@@ -48,7 +48,7 @@ from typing import Any
 import pandas as pd
 
 from draftline.quality import checks
-from draftline.quality.checks import Check, CheckResult
+from draftline.quality.check_parts import Check, CheckResult
 
 # The p-value under which a failed share is the data's, not a small shard's noise. One shard
 # judged on its dozen share checks stops by chance well under once in a thousand shards with

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from draftline.quality import checks, turns
+from draftline.quality.check_parts import MODE_COLUMN
 
 
 def expected_rows(curate_summary: Path, shard_ids: list[int]) -> dict[int, int]:
@@ -75,7 +76,7 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
         "turn_loss_mask_sums": pa.list_(pa.int32()),
         "turn_answer_tokens": pa.list_(pa.int32()),
     }
-    columns = [*checks.COLUMNS, checks.MODE_COLUMN, *turns.TURN_COLUMNS]
+    columns = [*checks.COLUMNS, MODE_COLUMN, *turns.TURN_COLUMNS]
     tables = []
     for path in tqdm(paths, desc="validate: read", unit="shard", disable=not progress):
         names = set(pq.read_schema(path).names)
@@ -96,8 +97,8 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
             table = table.append_column("completion_hash", _hash_completions(path))
         shard = int(path.stem.split("-")[1])
         table = table.append_column("shard", pa.array(np.full(len(table), shard, np.int32)))
-        if checks.MODE_COLUMN not in names:  # written before thinking modes: the model's mode
-            table = table.append_column(checks.MODE_COLUMN, pa.nulls(len(table), pa.bool_()))
+        if MODE_COLUMN not in names:  # written before thinking modes: the model's mode
+            table = table.append_column(MODE_COLUMN, pa.nulls(len(table), pa.bool_()))
         for name in turns.TURN_COLUMNS:
             if name not in names:
                 table = table.append_column(name, pa.nulls(len(table), turn_types[name]))

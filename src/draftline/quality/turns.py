@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from draftline.quality.checks import (
+from draftline.quality.check_parts import (
     Check,
     Rows,
     Thresholds,
@@ -43,7 +43,7 @@ _EXPLODED = {
     "turn_answer_tokens": "turn_answer_tokens",
 }
 
-# The per-turn frame of each kind of rows `checks.mode_rows` gives.
+# The per-turn frame of each kind of rows `check_parts.mode_rows` gives.
 _TURN_ROWS: dict[Rows, Rows] = {
     "answered": "turns",
     "thinking": "turns_thinking",

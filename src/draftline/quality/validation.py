@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from draftline.quality import checks, data_docs
-from draftline.quality.checks import Check, CheckResult
+from draftline.quality.check_parts import Check, CheckResult
 from draftline.runtime import atomic
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,2 @@
-"""How a run executes: params, hardware profiles, torch.distributed, atomic writes, run logs."""
+"""How a run executes: params, hardware profiles, torch.distributed, atomic writes, run logs,
+the stage inputs DVC must have restored."""

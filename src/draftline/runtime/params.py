@@ -137,6 +137,19 @@ def is_current(
     return current == composed, used, composed
 
 
+def hydra_message(text: str) -> str:
+    """Hydra's short error on one line: options listed under a heading joined by commas, and
+    the config search path (Hydra's internals) left out."""
+    parts: list[str] = []
+    for line in text.split("Config search path:")[0].splitlines():
+        if line.startswith("\t") and parts:
+            sep = " " if parts[-1].endswith(":") else ", "
+            parts[-1] += sep + line.strip()
+        elif line.strip():
+            parts.append(line.strip().rstrip("."))
+    return "; ".join(parts)
+
+
 def load(path: str | Path = "params.yaml") -> dict[str, Any]:
     """Read params.yaml; a clear error names the fix when it is missing or inconsistent."""
     p = Path(path)

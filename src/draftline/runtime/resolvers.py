@@ -9,12 +9,9 @@ Hydra imports when it scans for plugins.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 from omegaconf import ListConfig, OmegaConf
 
-CHUNK = 1 << 20
+from draftline.core.target import target_id
 
 
 def shard_ids(num_shards: int) -> ListConfig:
@@ -36,34 +33,6 @@ def chain_links(num_shards: int) -> list[dict[str, int | str]]:
 def shard_chain(num_shards: int) -> ListConfig:
     """`chain_links` for conf/ (checks compare plain lists: a ListConfig is slow to build)."""
     return ListConfig(chain_links(num_shards))
-
-
-def target_id(path: str, revision: str | None = None) -> str:
-    """Identity of the target's weights, independent of where they are stored.
-
-    A local folder: sha256 over the relative names and bytes of its files (config, tokenizer,
-    chat template, weights), so a copy elsewhere has the same id and one changed byte a new one.
-    A hub id: the id and its revision (a pinned revision names fixed weights).
-    """
-    folder = Path(str(path))
-    if not folder.is_dir():
-        return f"hub:{path}@{revision or 'unpinned'}"
-    digest = hashlib.sha256()
-    files = sorted(
-        p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder))
-    )
-    for file in files:
-        digest.update(file.relative_to(folder).as_posix().encode() + b"\0")
-        with file.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return f"sha256:{digest.hexdigest()[:16]}"
-
-
-def _hidden(rel: Path) -> bool:
-    # .cache/ and .git/ hold download state, not the model.
-    return any(part.startswith(".") for part in rel.parts)
 
 
 def register() -> None:

@@ -31,23 +31,21 @@ from typing import Any
 import yaml
 
 from draftline.core import target
-from draftline.core.loss_mask import special_ids
-from draftline.data.curation import shard_file_name
+from draftline.core.loss_mask import generation_prompt_opens_think, special_ids
 from draftline.generation.engines.base import EngineUnavailable
 from draftline.generation.engines.choose import make_engine, sampling_from
 from draftline.generation.guard import Guard, GuardAbort
 from draftline.generation.schedule import stream_shards
-from draftline.generation.shards import (
+from draftline.generation.shards import ShardFailed, run_shard, shard_paths
+from draftline.generation.table_record import (
     Identity,
-    ShardFailed,
     ShardPaths,
-    run_shard,
+    needs_generating,
+    release_recorded,
 )
-from draftline.generation.table_record import needs_generating, release_recorded
 from draftline.quality.checks import thinking_enabled
 from draftline.runtime import disk_space, hardware, params, run_log
 
-JOURNAL_DIR = Path(".draftline/journal/generate")
 CURATE_SUMMARY = "summary.json"  # curate's, beside its tables (stages/curate.py CURATE_SUMMARY)
 
 
@@ -57,24 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--eval", action="store_true", help="the held-out eval split")
     parser.add_argument("--params", default="params.yaml", help="params file (params.yaml)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def shard_paths(shard: int | None) -> ShardPaths:
-    if shard is None:
-        return ShardPaths(
-            name="eval",
-            curated=Path("data/curated/eval.parquet"),
-            output=Path("data/generated/eval.parquet"),
-            run_log=run_log.RUNS_DIR / "generate/eval.json",
-            journal=JOURNAL_DIR / "eval.jsonl",
-        )
-    return ShardPaths(
-        name=f"shard-{shard}",
-        curated=Path(f"data/curated/train/{shard_file_name(shard)}"),
-        output=Path(f"data/generated/train/{shard_file_name(shard)}"),
-        run_log=run_log.RUNS_DIR / f"generate/shard-{shard}.json",
-        journal=JOURNAL_DIR / f"shard-{shard}.jsonl",
-    )
 
 
 def check_curated(paths: ShardPaths, p: dict[str, Any]) -> None:
@@ -209,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             p["quality"],
             thinking=thinking,
             max_new_tokens=sampling.max_new_tokens,
-            think_in_prompt=target.generation_prompt_opens_think(
+            think_in_prompt=generation_prompt_opens_think(
                 tokenizer, dict(model.get("chat_template_kwargs") or {}), special
             ),
         )

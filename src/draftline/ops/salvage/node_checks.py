@@ -88,8 +88,8 @@ def partial_journals(root: Path, finished: set[str]) -> list[Finding]:
 
 
 def _table_written(root: Path, shard: int) -> bool:
+    from draftline.generation.shards import shard_paths
     from draftline.generation.table_record import table_of_journal
-    from draftline.stages.generate import shard_paths
 
     paths = shard_paths(shard)
     return table_of_journal(
