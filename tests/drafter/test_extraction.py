@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.tiny_qwen3 import generated_row, random_rows, tiny_qwen3, write_shard
+from helpers.tiny_qwen3 import END_OF_TURN, generated_row, random_rows, tiny_qwen3, write_shard
 
 from draftline.core.loss_mask import loss_mask
+from draftline.core.training_rows import window
 from draftline.drafter.extraction import ExtractSettings, extract, length_batches, plan_packs
 from draftline.drafter.packs import load_pack, read_index
 
@@ -83,13 +84,17 @@ def assert_same_packs(a: Path, b: Path, ignore_index_keys: set[str] = frozenset(
     assert index_a == index_b
 
 
-def test_plan_drops_failed_and_unsupervised_rows(shards):
+def test_plan_drops_failed_rows_and_cuts_long_prompts_from_their_start(shards):
     plan = plan_packs(shards, MAX_LENGTH, 300)
-    assert plan.dropped == {"error": 1, "no_supervised_tokens": 1}
+    assert plan.dropped == {"error": 1, "no_supervised_tokens": 0}
     planned = [s for p in plan.packs for s in p.sequences]
-    assert len(planned) == 50 and len({s.id for s in planned}) == 50
+    assert len(planned) == 51 and len({s.id for s in planned}) == 51
     assert all(p.num_tokens <= 300 or len(p.sequences) == 1 for p in plan.packs)
     assert max(s.num_tokens for s in planned) == MAX_LENGTH and plan.truncated > 0
+    # The prompt longer than max_length loses its start; its completion is kept whole.
+    long_prompt = next(s for s in planned if s.span.prompt_tokens == MAX_LENGTH + 3)
+    assert (long_prompt.span.prompt_cut, long_prompt.span.completion_cut) == (5, 0)
+    assert plan.yields.prompt_tokens_cut >= 5 and plan.yields.cut_sequences == plan.truncated
 
 
 def test_length_batches_respect_the_token_budget():
@@ -104,7 +109,7 @@ def test_length_batches_respect_the_token_budget():
 def test_offline_packs_hold_ids_masks_and_hf_features(offline_dir, shards, model):
     rows = all_rows(shards)
     index = read_index(offline_dir)
-    assert index["features"] == "offline" and index["num_sequences"] == 50
+    assert index["features"] == "offline" and index["num_sequences"] == 51
     assert index["hidden_size"] == 32 and index["target_layer_ids"] == LAYER_IDS
     assert [s["file"] for s in index["shards"]] == [p.name for p in pack_files(offline_dir)]
     seen = 0
@@ -116,8 +121,10 @@ def test_offline_packs_hold_ids_masks_and_hf_features(offline_dir, shards, model
         assert offsets[0] == 0 and offsets[-1] == len(pack["input_ids"])
         for i, sid in enumerate(pack["ids"]):
             row, (lo, hi) = rows[sid], offsets[i : i + 2]
-            ids = (row["prompt_ids"] + row["completion_ids"])[:MAX_LENGTH]
-            mask = loss_mask(len(row["prompt_ids"]), row["completion_ids"])[:MAX_LENGTH]
+            prompt, completion = row["prompt_ids"], row["completion_ids"]
+            start, end = window(len(prompt), len(completion), MAX_LENGTH)
+            ids = (prompt + completion)[start:end]
+            mask = loss_mask(len(prompt), completion)[start:end]
             assert pack["input_ids"][lo:hi].tolist() == ids
             assert pack["loss_mask"][lo:hi].tolist() == mask
             with torch.no_grad():
@@ -125,7 +132,7 @@ def test_offline_packs_hold_ids_masks_and_hf_features(offline_dir, shards, model
             want = torch.cat([hs[j + 1][0] for j in LAYER_IDS], -1).to(torch.bfloat16)
             torch.testing.assert_close(pack["features"][lo:hi], want, rtol=1e-2, atol=1e-2)
             seen += 1
-    assert seen == 50
+    assert seen == 51
 
 
 def test_online_packs_are_the_offline_packs_without_features(offline_dir, shards, tmp_path):
@@ -261,7 +268,7 @@ def test_two_processes_write_the_same_packs_as_one(shards, model, tmp_path):
         runs[processes] = workdir
     metrics = json.loads((runs[2] / "logs/runs/extract.json").read_text())  # the full record
     assert metrics["world_size"] == 2 and metrics["hardware_profile"] == "cpu"
-    assert metrics["num_sequences"] == 50 and metrics["tokens_per_s"] > 0
+    assert metrics["num_sequences"] == 51 and metrics["tokens_per_s"] > 0
     assert metrics["bytes_per_token"] == metrics["bytes_written"] / metrics["num_tokens"]
     assert json.loads((runs[1] / "logs/runs/extract.json").read_text())["world_size"] == 1
     assert len(pack_files(runs[2] / "data/extracted")) > 1  # both ranks wrote packs
@@ -299,3 +306,59 @@ def test_packs_of_other_weights_are_redone_not_resumed(shards, tmp_path, model):
     after = replace(settings(), weights_id="sha256:bbbb")
     changed = extract(shards, out, after, model_loader=lambda: model, progress=False)
     assert changed.packs_skipped == 0 and first.packs_skipped == 0
+
+
+def multi_turn_row(n: int) -> dict:
+    """A two-turn conversation as generate writes it: turn 1's prompt shows turn 0's answer
+    without its reasoning (the template drops it), at positions `history_spans`."""
+    reasoning, answer = [7] * 30, [8] * 6 + [END_OF_TURN]
+    p0 = [3, 4, 5]
+    p1 = p0 + answer + [6, 6]  # turn 0's answer as history, then the user's next message
+    c1 = [9] * 20 + [END_OF_TURN]
+    row = generated_row(n, p1, c1)
+    row.update(
+        history_spans=[[len(p0), len(p0) + len(answer)]],
+        turns=2,
+        turn_finish_reasons=["stop", "stop"],
+        turn_prompt_ids=[p0, p1],
+        turn_completion_ids=[reasoning + answer, c1],
+        turn_prompt_tokens=[len(p0), len(p1)],
+        turn_completion_tokens=[len(reasoning + answer), len(c1)],
+    )
+    return row
+
+
+def test_turn_rows_train_every_turn_in_its_own_context_and_report_the_yield(tmp_path):
+    """extract.rows=turn: one sequence per turn, its own prompt and whole completion (every
+    generated token supervised once: yield 1); `conversation`: the last turn with the earlier
+    answer as history, its reasoning never trained on."""
+    shard = write_shard(tmp_path / "gen" / "shard-0.parquet", [multi_turn_row(n) for n in range(3)])
+    row = multi_turn_row(0)
+    generated = sum(row["turn_completion_tokens"]) * 3
+    for rows, per_row, supervised in (
+        ("turn", 2, generated),
+        ("conversation", 1, 3 * (len(row["completion_ids"]) + 7)),
+    ):
+        out = tmp_path / rows
+        config = ExtractSettings(**{**settings("online").__dict__, "rows": rows})
+        result = extract([shard], out, config, progress=False)
+        assert result.index["num_sequences"] == 3 * per_row
+        assert result.index["num_supervised_tokens"] == supervised
+        assert result.yields["generated_tokens"] == generated
+        assert result.yields["supervised_tokens"] == supervised
+        [pack] = [load_pack(p) for p in pack_files(out)]
+        offsets = pack["offsets"].tolist()
+        for i, sid in enumerate(pack["ids"]):
+            ids = pack["input_ids"][offsets[i] : offsets[i + 1]].tolist()
+            mask = pack["loss_mask"][offsets[i] : offsets[i + 1]].tolist()
+            if rows == "turn":
+                k = int(sid.rsplit("#", 1)[1])
+                prompt, completion = row["turn_prompt_ids"][k], row["turn_completion_ids"][k]
+                assert ids == prompt + completion
+                assert mask == [0] * len(prompt) + [1] * len(completion)
+            else:
+                assert ids == row["prompt_ids"] + row["completion_ids"]
+                assert sum(mask) == len(row["completion_ids"]) + 7  # + the answer in history
+    turn_yield = 1.0
+    conversation_yield = 3 * (len(row["completion_ids"]) + 7) / generated
+    assert conversation_yield < 0.5 < turn_yield

@@ -129,6 +129,15 @@ def test_generate_stage_end_to_end_on_the_local_engine(tmp_path, model_dir):
         assert tok.decode(row["prompt_ids"], skip_special_tokens=False) == text
         assert row["num_prompt_tokens"] == len(row["prompt_ids"])
         assert row["num_completion_tokens"] == len(row["completion_ids"])
+        # Every turn as the engine saw and wrote it: the last is the row's own sequence, the
+        # first the conversation up to its first regenerated answer, rendered alone.
+        assert len(row["turn_prompt_ids"]) == len(row["turn_completion_ids"]) == row["turns"]
+        assert row["turn_prompt_ids"][-1] == row["prompt_ids"]
+        assert row["turn_completion_ids"][-1] == row["completion_ids"]
+        first = msgs[: regenerated_turns(msgs)[0]]
+        assert row["turn_prompt_ids"][0] == target.prompt_ids(tok, first, kwargs)
+        assert row["turn_prompt_tokens"] == [len(t) for t in row["turn_prompt_ids"]]
+        assert row["turn_completion_tokens"] == [len(t) for t in row["turn_completion_ids"]]
         stats = completion_stats(row["completion_ids"], special)
         assert row["loss_mask_sum"] == stats.loss_mask_sum == len(row["completion_ids"])
         assert row["finish_reason"] in ("stop", "length")

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
+import pyarrow as pa
 
 from draftline.data.input_files import Rejection
 
@@ -298,3 +299,17 @@ def messages_from_records(records: Iterable[dict[str, Any]]) -> list[Message]:
             message["tool_calls"] = orjson.loads(record["tool_calls"])
         messages.append(message)
     return messages
+
+
+def written_turns(table: pa.Table) -> int:
+    """Assistant turns the target writes over `table`'s conversations when it regenerates them
+    all (`core.turn_prompts.regenerated_turns`): every assistant message without tool calls,
+    and the final answer each conversation ends in."""
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(table.column("messages"))
+    earlier = pc.and_(
+        pc.equal(pc.struct_field(flat, "role"), "assistant"),
+        pc.is_null(pc.struct_field(flat, "tool_calls")),
+    )
+    return int(pc.sum(earlier).as_py() or 0) + len(table)

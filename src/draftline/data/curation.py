@@ -24,11 +24,11 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,13 @@ import numpy as np
 import pyarrow as pa
 
 from draftline.data.conversations import (
-    REASONS,
     Message,
     canonical_json,
     messages_to_records,
     normalise,
+    written_turns,
 )
+from draftline.data.curate_result import EXAMPLE_RAW_CHARS, CurateResult
 from draftline.data.input_files import Rejection, RowBatch, list_input_files, read_files
 from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.data.scratch import SeenIds, Spill
@@ -76,7 +77,6 @@ REJECTED_SCHEMA = pa.schema(
         ("raw", pa.string()),
     ]
 )
-EXAMPLE_RAW_CHARS = 300
 # `workers=None` starts a pool only for inputs at least this big: below it, starting the
 # processes costs more than it saves.
 PARALLEL_MIN_BYTES = 64 * 2**20
@@ -116,70 +116,6 @@ def assign_split(conv_id: str, eval_fraction: float, num_shards: int, seed: str)
 # The stage.
 
 
-@dataclass
-class CurateResult:
-    """What a run did: counts for metrics, and an example row per reject reason for messages."""
-
-    rows_read: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    shard_rows: list[int] = field(default_factory=list)
-    eval_rows: int = 0
-    prompt_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    examples: dict[str, dict[str, Any]] = field(default_factory=dict)
-    files: int = 0
-    files_skipped: list[str] = field(default_factory=list)
-    workers: int = 0
-
-    @property
-    def rows_rejected(self) -> int:
-        return sum(self.rejected.values())
-
-    @property
-    def rows_kept(self) -> int:
-        return self.rows_read - self.rows_rejected
-
-    @property
-    def reject_rate(self) -> float:
-        return self.rows_rejected / self.rows_read if self.rows_read else 0.0
-
-    def metrics(self) -> dict[str, Any]:
-        tokens = self.prompt_tokens
-        quantiles = {}
-        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-            quantiles[name] = (
-                int(np.quantile(tokens, q, method="inverted_cdf")) if len(tokens) else 0
-            )
-        quantiles["max"] = int(tokens.max()) if len(tokens) else 0
-        quantiles["mean"] = round(float(tokens.mean()), 2) if len(tokens) else 0.0
-        return {
-            "rows_read": self.rows_read,
-            "rows_kept": self.rows_kept,
-            "rows_rejected": self.rows_rejected,
-            "reject_rate": round(self.reject_rate, 6),
-            "rejected_by_reason": {r: self.rejected.get(r, 0) for r in REASONS},
-            "train_rows": sum(self.shard_rows),
-            "eval_rows": self.eval_rows,
-            "shard_rows": {f"{k:05d}": n for k, n in enumerate(self.shard_rows)},
-            "shard_rows_min": min(self.shard_rows, default=0),
-            "shard_rows_max": max(self.shard_rows, default=0),
-            "prompt_tokens": quantiles,
-            "files_read": self.files,
-            "files_skipped": len(self.files_skipped),
-        }
-
-    def reject_summary(self, top: int = 3) -> str:
-        """Top reasons with counts and one example each, for the threshold failure message."""
-        lines = []
-        for reason, count in self.rejected.most_common(top):
-            ex = self.examples[reason]
-            raw = ex["raw"][:EXAMPLE_RAW_CHARS]
-            lines.append(
-                f"  {reason}: {count} rows, e.g. {ex['source']}:{ex['line']}: {ex['detail']}\n"
-                f"      {raw}"
-            )
-        return "\n".join(lines)
-
-
 def shard_file_name(shard: int) -> str:
     return f"shard-{shard}.parquet"
 
@@ -201,6 +137,7 @@ def curate(
     workers = _worker_count(settings.workers, files)
     result = CurateResult(
         shard_rows=[0] * settings.num_shards,
+        shard_turns=[0] * settings.num_shards,
         files=len(files),
         files_skipped=[p.as_posix() for p in skipped],
         workers=workers,
@@ -455,6 +392,7 @@ def _keep_or_reject(
                 spill.write("eval", kept.take(group))
             else:
                 result.shard_rows[shard] += len(group)
+                result.shard_turns[shard] += written_turns(kept.take(group))
                 spill.write(shard, kept.take(group))
 
     if rejected:

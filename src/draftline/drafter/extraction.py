@@ -1,8 +1,10 @@
 """Extraction: generated shards -> training-ready token packs (+ target features when offline).
 
-The plan is made from the shards' length columns alone, before any forward: sequences are
-`prompt_ids + completion_ids` cut to `max_length`; within each generated shard they are sorted
-by length and cut into packs of about `pack_tokens` tokens. The plan depends only on the data
+The plan is made from the shards' length columns alone, before any forward: each generated
+row gives its sequences by `extract.rows` (`draftline.core.training_rows`: one per turn by
+default, its own prompt and whole completion), each cut to `max_length` from its prompt's start;
+within each generated shard they are sorted by length and cut into packs of about
+`pack_tokens` tokens. The plan depends only on the data
 and the stage params, never on the world size, so every pack is the same whether one process or
 eight write it. Ranks take disjoint packs (pack p goes to rank p % world_size).
 
@@ -26,6 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftline.core.loss_mask import loss_mask
+from draftline.core.training_rows import LENGTH_COLUMNS, SequenceSpan, Yield, check_layout
 from draftline.drafter.features import target_layer_states
 from draftline.drafter.packs import INDEX_NAME
 from draftline.runtime import disk_space, distributed
@@ -33,7 +36,6 @@ from draftline.runtime.atomic import write_json, write_safetensors
 
 FORMAT_VERSION = 1
 FEATURE_MODES = ("offline", "online")
-_LENGTH_COLUMNS = ["id", "num_prompt_tokens", "num_completion_tokens", "finish_reason"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ExtractSettings:
     # The weights the features come from (`core.target.weights_id`): a pack of other weights
     # in the same folder is redone, never resumed.
     weights_id: str = ""
+    rows: str = "turn"  # training sequences per generated row (`core.training_rows`)
 
     def __post_init__(self) -> None:
         if self.features not in FEATURE_MODES:
@@ -58,13 +61,18 @@ class ExtractSettings:
             )
         if self.max_length < 2 or self.pack_tokens < 1 or self.tokens_per_batch < 1:
             raise ValueError("max_length, pack_tokens and tokens_per_batch must be positive")
+        check_layout(self.rows)
 
 
 @dataclass(frozen=True)
 class PlannedSequence:
-    id: str
+    id: str  # the row's id, `<row id>#<turn>` for a turn's sequence
     row: int  # row in its shard file
-    num_tokens: int  # after truncation to max_length
+    span: SequenceSpan  # which turn, and the window kept of it
+
+    @property
+    def num_tokens(self) -> int:
+        return self.span.num_tokens
 
 
 @dataclass
@@ -87,29 +95,36 @@ class Plan:
     packs: list[PackPlan]
     dropped: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
+    yields: Yield = field(default_factory=Yield)  # generated vs supervised tokens, cuts
 
 
-def plan_packs(shard_files: Sequence[Path], max_length: int, pack_tokens: int) -> Plan:
+def plan_packs(
+    shard_files: Sequence[Path], max_length: int, pack_tokens: int, rows: str = "turn"
+) -> Plan:
     """Which sequences go into which pack, from the length columns only.
 
-    Dropped rows are counted by reason: failed requests (`error`) and rows with no supervised
-    token left after truncation (`no_supervised_tokens`: empty completion or prompt too long).
+    Dropped rows are counted by reason: rows that give no sequence because their request
+    failed (`error`) or they wrote nothing (`no_supervised_tokens`); a conversation whose later
+    turn failed still gives its earlier turns in the `turn` layout.
     """
     plan = Plan(packs=[], dropped={"error": 0, "no_supervised_tokens": 0})
     for shard_file in sorted(shard_files):
-        table = pq.read_table(shard_file, columns=_LENGTH_COLUMNS).to_pylist()
+        names = set(pq.read_schema(shard_file).names)
+        columns = [c for c in LENGTH_COLUMNS if c in names]
+        if rows == "conversation" and "history_spans" in names:
+            columns.append("history_spans")  # supervised earlier answers count in the yield
+        table = pq.read_table(shard_file, columns=columns).to_pylist()
         kept: list[PlannedSequence] = []
         for row, rec in enumerate(table):
-            if rec["finish_reason"] == "error":
-                plan.dropped["error"] += 1
+            seqs = plan.yields.add_row(rec, rows, max_length)
+            if not seqs:
+                reason = "error" if rec["finish_reason"] == "error" else "no_supervised_tokens"
+                plan.dropped[reason] += 1
                 continue
-            total = int(rec["num_prompt_tokens"]) + int(rec["num_completion_tokens"])
-            length = min(total, max_length)
-            if length <= int(rec["num_prompt_tokens"]):
-                plan.dropped["no_supervised_tokens"] += 1
-                continue
-            plan.truncated += int(total > max_length)
-            kept.append(PlannedSequence(id=str(rec["id"]), row=row, num_tokens=length))
+            for seq in seqs:
+                name = str(rec["id"]) if seq.turn is None else f"{rec['id']}#{seq.turn}"
+                kept.append(PlannedSequence(id=name, row=row, span=seq))
+        plan.truncated = plan.yields.cut_sequences
         # Length-sorted packs make batches of similar lengths: little padding in the forward.
         kept.sort(key=lambda s: (s.num_tokens, s.id))
         current: list[PlannedSequence] = []
@@ -132,7 +147,8 @@ def fingerprint(pack: PackPlan, settings: ExtractSettings) -> str:
         "target_layer_ids": settings.target_layer_ids if settings.features == "offline" else None,
         "model": settings.model_ref,
         "weights": settings.weights_id if settings.features == "offline" else None,
-        "sequences": [[s.id, s.num_tokens] for s in pack.sequences],
+        "rows": settings.rows,
+        "sequences": [[s.id, s.span.start, s.num_tokens] for s in pack.sequences],
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -150,19 +166,27 @@ def pack_is_complete(path: Path, expected_fingerprint: str) -> bool:
         return False
 
 
-def token_rows(pack: PackPlan, max_length: int, table: dict[str, list]) -> list[tuple[list, list]]:
-    """(input_ids, loss_mask) of each sequence of the pack, from its shard's token columns."""
+def token_rows(pack: PackPlan, table: dict[str, list]) -> list[tuple[list, list]]:
+    """(input_ids, loss_mask) of each sequence of the pack, from its shard's token columns: a
+    turn's own prompt and completion, or the conversation's last with its earlier answers."""
     rows = []
     for seq in pack.sequences:
-        if table["id"][seq.row] != seq.id:
+        row_id, turn = table["id"][seq.row], seq.span.turn
+        if seq.id != (row_id if turn is None else f"{row_id}#{turn}"):
             raise RuntimeError(
                 f"{pack.shard_file} changed while extracting (row {seq.row} is no longer "
                 f"{seq.id}): rerun the extract stage"
             )
-        prompt, completion = table["prompt_ids"][seq.row], table["completion_ids"][seq.row]
-        spans = table["history_spans"][seq.row] if "history_spans" in table else ()
-        ids = (list(prompt) + list(completion))[:max_length]
-        mask = loss_mask(len(prompt), completion, spans)[:max_length]
+        if turn is None:
+            prompt, completion = table["prompt_ids"][seq.row], table["completion_ids"][seq.row]
+            spans = table["history_spans"][seq.row] if "history_spans" in table else ()
+        else:
+            prompt = table["turn_prompt_ids"][seq.row][turn]
+            completion = table["turn_completion_ids"][seq.row][turn]
+            spans = ()  # earlier answers are supervised in their own turns' sequences
+        start, end = seq.span.start, seq.span.end
+        ids = (list(prompt) + list(completion))[start:end]
+        mask = loss_mask(len(prompt), completion, spans or ())[start:end]
         rows.append((ids, mask))
     return rows
 
@@ -253,6 +277,7 @@ class ExtractResult:
     dropped: dict[str, int]
     truncated: int
     bytes_written: int
+    yields: dict[str, Any] = field(default_factory=dict)  # `Yield.summary()` of the plan
 
 
 def clean_output(out_dir: Path, plan: Plan) -> None:
@@ -310,7 +335,7 @@ def extract(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not shard_files:
         raise SystemExit("extract: no generated shards found: run the generate stages first")
-    plan = plan_packs(shard_files, settings.max_length, settings.pack_tokens)
+    plan = plan_packs(shard_files, settings.max_length, settings.pack_tokens, settings.rows)
     if not plan.packs:
         raise SystemExit(
             f"extract: no usable sequence in {len(shard_files)} shards (dropped: {plan.dropped})"
@@ -347,12 +372,15 @@ def extract(
     table_file: Path | None = None
     for pack in todo:
         if pack.shard_file != table_file:  # packs of a shard are consecutive: read it once
+            names = pq.read_schema(pack.shard_file).names
             cols = ["id", "prompt_ids", "completion_ids"]
-            if "history_spans" in pq.read_schema(pack.shard_file).names:
+            if settings.rows == "turn" and "turn_prompt_ids" in names:
+                cols += ["turn_prompt_ids", "turn_completion_ids"]
+            if "history_spans" in names:
                 cols.append("history_spans")  # shards written before multi-turn have none
             table = pq.read_table(pack.shard_file, columns=cols).to_pydict()
             table_file = pack.shard_file
-        rows = token_rows(pack, settings.max_length, table)
+        rows = token_rows(pack, table)
         features = None
         if model is not None:
             features, pack_padded = pack_features(
@@ -391,6 +419,7 @@ def extract(
         dropped=plan.dropped,
         truncated=plan.truncated,
         bytes_written=bytes_written,
+        yields=plan.yields.summary(),
     )
 
 
@@ -425,6 +454,7 @@ def write_index(out_dir: Path, plan: Plan, settings: ExtractSettings) -> dict[st
     index = {
         "format": FORMAT_VERSION,
         "features": settings.features,
+        "rows": settings.rows,
         "num_sequences": sum(s["num_sequences"] for s in shards),
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "num_supervised_tokens": sum(s["num_supervised_tokens"] for s in shards),

@@ -12,9 +12,12 @@ for at most what its prompt leaves of it (`Request.max_new_tokens`); a turn cut 
 `context`, and a conversation whose next prompt leaves no room at all is closed there: its row
 is its last turn with `finish_reason: context` (validate counts it as cut short).
 
-The row is one training sequence: the prompt of the last turn generated (every earlier answer
-in it, as the template shows history) and that turn's completion; `history_spans` says where in
-the prompt the earlier answers are, and the `turn_*` columns describe each turn as generated.
+The row holds every turn as generated: `turn_prompt_ids[k]` is the prompt the engine received
+for turn k and `turn_completion_ids[k]` what it wrote (reasoning included), the training
+sequences of the default layout (`draftline.core.training_rows`). Its own columns are the
+last turn: its prompt (every earlier answer in it, as the template shows history; where,
+`history_spans`) and its completion, the sequence of the `conversation` layout; the other
+`turn_*` columns describe each turn for validation.
 """
 
 from __future__ import annotations
@@ -175,6 +178,10 @@ def conversation_row(
             "turn_finish_reasons": [t["finish_reason"] for t in turns],
             "turn_loss_mask_sums": [t["loss_mask_sum"] for t in turns],
             "turn_answer_tokens": [t["answer_tokens"] for t in turns],
+            "turn_prompt_ids": [t["prompt_ids"] for t in turns],
+            "turn_completion_ids": [t["completion_ids"] for t in turns],
+            "turn_prompt_tokens": [t["num_prompt_tokens"] for t in turns],
+            "turn_completion_tokens": [t["num_completion_tokens"] for t in turns],
         }
     )
     return row

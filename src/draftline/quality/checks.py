@@ -256,7 +256,37 @@ def define_checks(
     )
     for kind, suffix in mode_rows(thinking, mixed):
         checks += _length_checks(q.quantile_ranges(kind), kind, suffix)
+    if "untrained_tokens" in table.columns:
+        checks.append(_yield_check(table, q.share("min_yield")))
     return checks + turns.define_checks(by_rows, q, thinking=thinking)
+
+
+def _yield_check(table: pd.DataFrame, min_yield: float) -> Check:
+    """Supervised / generated tokens over the run (`draftline.core.training_rows`), as GX
+    says it: the tokens no sequence supervises sum to at most (1 - min_yield) of all generated
+    (a ratio of sums, which no per-row expectation states)."""
+    generated = int(table["generated_tokens"].sum())
+
+    def measure(t: pd.DataFrame) -> float:
+        made = int(t["generated_tokens"].sum())
+        return 1.0 - int(t["untrained_tokens"].sum()) / made if made else 1.0
+
+    return Check(
+        name="yield",
+        description="supervised tokens of the training sequences (extract.rows, cut to "
+        "extract.max_length) over every token generated, all turns and reasoning included",
+        bound=f">= {min_yield:.2f} of generated tokens",
+        rows="all",
+        measure=measure,
+        accept=lambda v: v >= min_yield - 1e-12,
+        expectation="ExpectColumnSumToBeBetween",
+        kwargs={"column": "untrained_tokens", "max_value": (1.0 - min_yield) * generated},
+        gx_observed=lambda r: (
+            1.0 - float(r["observed_value"]) / generated
+            if generated and r.get("observed_value") is not None
+            else None
+        ),
+    )
 
 
 def _length_checks(

@@ -39,7 +39,27 @@ def validate_metrics(
         value = np.quantile(lengths, q, method="nearest") if len(lengths) else None
         metrics[f"completion_tokens_{name}"] = None if value is None else int(value)
     metrics["completion_tokens_max"] = int(lengths.max()) if len(lengths) else None
+    if "generated_tokens" in table.columns:
+        metrics.update(training_yield(table))
     return metrics
+
+
+def training_yield(table: pd.DataFrame) -> dict[str, Any]:
+    """What the training sequences keep of what was generated, and how long they are before
+    any cut (the longest of each row): the lengths extract.max_length has to hold."""
+    generated = int(table["generated_tokens"].sum())
+    supervised = generated - int(table["untrained_tokens"].sum())
+    longest = table["sequence_tokens"].to_numpy(dtype=np.float64)
+    out: dict[str, Any] = {
+        "generated_tokens_total": generated,
+        "supervised_tokens_total": supervised,
+        "yield": _round(supervised / generated) if generated else None,
+    }
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        value = np.quantile(longest, q, method="nearest") if len(longest) else None
+        out[f"sequence_tokens_{name}"] = None if value is None else int(value)
+    out["sequence_tokens_max"] = int(longest.max()) if len(longest) else None
+    return out
 
 
 def write_plots(folder: Path, table: pd.DataFrame) -> None:

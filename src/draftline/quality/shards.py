@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from draftline.core.training_rows import LENGTH_COLUMNS, row_sequences, row_yield
 from draftline.quality import checks, turns
 from draftline.quality.check_parts import MODE_COLUMN
 
@@ -62,9 +64,13 @@ def shard_paths(folder: Path, shard_ids: list[int]) -> list[Path]:
     return paths
 
 
-def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataFrame:
+def read_scalar_columns(
+    paths: list[Path], *, progress: bool = True, training: Mapping[str, Any] | None = None
+) -> pd.DataFrame:
     """The scalar columns of checks.COLUMNS and the turn columns of turns.TURN_COLUMNS from every
-    shard, plus `shard` (its index)."""
+    shard, plus `shard` (its index). With `training` (params' `extract`: `rows`, `max_length`),
+    each row's `generated_tokens` (every turn, reasoning included) and `untrained_tokens` (those
+    no training sequence supervises), from the length columns alone: the yield gate's inputs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm import tqdm
@@ -102,10 +108,34 @@ def read_scalar_columns(paths: list[Path], *, progress: bool = True) -> pd.DataF
         for name in turns.TURN_COLUMNS:
             if name not in names:
                 table = table.append_column(name, pa.nulls(len(table), turn_types[name]))
-        tables.append(table.select([*columns, "shard"]))
+        selected = table.select([*columns, "shard"])
+        if training is not None:
+            selected = _with_yield(selected, path, names, training)
+        tables.append(selected)
     if not tables:
         return pd.DataFrame(columns=columns)
     return pa.concat_tables(tables).to_pandas()
+
+
+def _with_yield(table: Any, path: Path, names: set[str], training: Mapping[str, Any]) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    layout, max_length = str(training.get("rows", "turn")), int(training["max_length"])
+    wanted = [c for c in LENGTH_COLUMNS if c in names]
+    if layout == "conversation" and "history_spans" in names:
+        wanted.append("history_spans")
+    generated, untrained, longest = [], [], []
+    for row in pq.read_table(path, columns=wanted).to_pylist():
+        made, supervised = row_yield(row, layout, max_length)
+        generated.append(made)
+        untrained.append(made - supervised)
+        # The longest sequence the row gives before any cut: what max_length would have to hold.
+        uncut = row_sequences(row, layout, max_length=2**62)
+        longest.append(max((s.num_tokens for s in uncut), default=0))
+    table = table.append_column("generated_tokens", pa.array(generated, pa.int64()))
+    table = table.append_column("untrained_tokens", pa.array(untrained, pa.int64()))
+    return table.append_column("sequence_tokens", pa.array(longest, pa.int64()))
 
 
 def _hash_completions(path: Path) -> Any:

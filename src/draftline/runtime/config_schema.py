@@ -188,6 +188,7 @@ SCHEMA: Schema = {
         "min_think_block_share": None,
         "min_answer_share": None,
         "min_complete_conversation_share": None,
+        "min_yield": None,
         "completion_length_quantiles": {"quantiles": None, "ranges": None},
         "no_thinking_completion_length_quantiles": None,
         "guard": {"min_samples": None, "window": None},
@@ -208,7 +209,7 @@ SCHEMA: Schema = {
         "autostart": None,
         "serve_timeout_s": None,
     },
-    "extract": {"features": None, "max_length": None, "pack_tokens": None},
+    "extract": {"features": None, "max_length": None, "pack_tokens": None, "rows": None},
     "evaluate": {
         "max_new_tokens": None,
         "max_prompts": None,

@@ -173,6 +173,7 @@ RULES: dict[str, Rule] = {
     "extract.features": choice("offline", "online"),
     "extract.max_length": count(),
     "extract.pack_tokens": count(),
+    "extract.rows": choice("turn", "conversation"),
     "evaluate.max_new_tokens": count(),
     "evaluate.max_prompts": count(),
     "evaluate.temperature": at_least(0),
@@ -234,6 +235,7 @@ RULES: dict[str, Rule] = {
     "quality.min_think_block_share": share(),
     "quality.min_answer_share": share(),
     "quality.min_complete_conversation_share": share(),
+    "quality.min_yield": share(),
     "quality.guard.min_samples": count(),
     "quality.guard.window": count(),
 }

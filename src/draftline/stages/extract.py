@@ -23,8 +23,9 @@ from draftline.runtime import distributed, hardware, params, run_log
 # What the packs are (the same on any hardware, in any run); timings and world size go to the
 # run log.
 RESULT_KEYS = (
-    "features", "num_sequences", "num_tokens", "num_supervised_tokens", "num_packs",
-    "dropped", "truncated_sequences", "bytes_per_token",
+    "features", "rows", "num_sequences", "num_tokens", "num_supervised_tokens", "num_packs",
+    "generated_tokens", "yield", "dropped", "truncated_sequences", "prompt_tokens_cut",
+    "completion_tokens_cut", "bytes_per_token",
 )  # fmt: skip
 # What `dvc exp show` compares when one folder holds every shard (the rest is in the report);
 # a shard's extraction (`--shard`) writes only its report, reports/extract/shard-K.json.
@@ -74,6 +75,7 @@ def settings_from_params(p: dict[str, Any], profile: dict[str, Any]):
         hidden_size=int(p["model"]["hidden_size"]),
         pack_tokens=int(p["extract"]["pack_tokens"]),
         tokens_per_batch=hardware.Execution.of(profile).extract_tokens_per_batch,
+        rows=str(p["extract"].get("rows", "turn")),
         # Only offline features come from the weights (hashed now, not as params.yaml says);
         # weights that cannot be identified key packs no later run resumes.
         weights_id=(weights_id(p["model"]) or f"unidentified:{uuid.uuid4().hex}")
@@ -131,7 +133,12 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"extract: {idx['num_sequences']} sequences, {idx['num_tokens']} tokens in "
                 f"{len(idx['shards'])} packs ({result.packs_skipped} already complete), "
-                f"{result.bytes_written / 2**20:.1f} MiB"
+                f"{result.bytes_written / 2**20:.1f} MiB; supervised "
+                f"{idx['num_supervised_tokens']} of the {record['generated_tokens']} tokens "
+                f"generated (yield {record['yield']:.3f}, {record['rows']} rows); cut to "
+                f"{p['extract']['max_length']} tokens: {result.truncated} sequences, "
+                f"{record['prompt_tokens_cut']} prompt and {record['completion_tokens_cut']} "
+                "completion tokens"
             )
     finally:
         distributed.close()
@@ -141,12 +148,19 @@ def run(args: argparse.Namespace) -> int:
 def metrics(result: Any, profile: dict[str, Any]) -> dict[str, Any]:
     idx = result.index
     tokens = result.tokens_this_run
+    generated = int(result.yields.get("generated_tokens", 0))
     return {
         "features": idx["features"],
+        "rows": idx.get("rows", "conversation"),
         "num_sequences": idx["num_sequences"],
         "num_tokens": idx["num_tokens"],
         "num_supervised_tokens": idx["num_supervised_tokens"],
         "num_packs": len(idx["shards"]),
+        # Every turn the target wrote, reasoning included, against what the packs supervise.
+        "generated_tokens": generated,
+        "yield": round(idx["num_supervised_tokens"] / generated, 6) if generated else 1.0,
+        "prompt_tokens_cut": int(result.yields.get("prompt_tokens_cut", 0)),
+        "completion_tokens_cut": int(result.yields.get("completion_tokens_cut", 0)),
         "packs_skipped": result.packs_skipped,
         "dropped": result.dropped,
         "truncated_sequences": result.truncated,

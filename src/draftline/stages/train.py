@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         live_dir=Path(args.live),
         progress=not args.no_progress,
     )
-    folders, segment = _segment(args, [int(k) for k in p.get("data", {}).get("shard_ids", [])])
+    folders, segment = _segment(args, p)
     try:
         result = train(folders, p["model"], hp, options, segment)
         if segment.link is not None:
@@ -127,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _segment(args: argparse.Namespace, shard_ids: list[int]) -> tuple[list[Path], Any]:
+def _segment(args: argparse.Namespace, p: dict[str, Any]) -> tuple[list[Path], Any]:
     """The data folders and the part of the run this call trains."""
+    shard_ids = [int(k) for k in (p.get("data") or {}).get("shard_ids", [])]
     from draftline.drafter.packs import INDEX_NAME, shard_folder
     from draftline.drafter.training import Segment
 
-    data, chain = Path(args.data), Path(args.chain)
+    data, chain, summary = Path(args.data), Path(args.chain), Path(args.curate_summary)
     if args.shard is not None:
         k = args.shard
         if k not in shard_ids:
@@ -141,7 +142,7 @@ def _segment(args: argparse.Namespace, shard_ids: list[int]) -> tuple[list[Path]
         return [shard_folder(data, k)], Segment(
             link=k,
             start_from=shard_folder(chain, before) if before is not None else None,
-            planned_rows=planned_rows(Path(args.curate_summary)) if before is None else None,
+            planned_rows=None if before is not None else planned_sequences(summary, p),
             save_to=shard_folder(chain, k),
         )
     shards = [shard_folder(data, k) for k in shard_ids]
@@ -156,14 +157,21 @@ def _working_checkpoint(path: Path, shard: int | None) -> Path:
     return path if shard is None else path.with_name(f"{path.name}-shard-{shard}")
 
 
-def planned_rows(summary: Path) -> int:
-    """The rows curate planned for training: what the step count is fixed from before any
-    shard is generated."""
+def planned_sequences(summary: Path, p: dict[str, Any]) -> int:
+    """The training sequences curate planned: what the step count is fixed from before any
+    shard is generated. One per conversation, or one per turn the target will write when
+    every turn is regenerated and trained on its own (extract.rows=turn)."""
     import json
 
     if not summary.is_file():
         raise SystemExit(f"{summary} not found: run curate first (dvc repro curate)")
-    return int(json.loads(summary.read_text(encoding="utf-8"))["train_rows"])
+    curated = json.loads(summary.read_text(encoding="utf-8"))
+    per_turn = (p.get("extract") or {}).get("rows", "turn") == "turn"
+    if per_turn and (p.get("data") or {}).get("regenerate_turns", "all") == "all":
+        if "train_turns" not in curated:
+            raise SystemExit(f"{summary} predates per-turn rows: rerun curate (dvc repro curate)")
+        return int(curated["train_turns"])
+    return int(curated["train_rows"])
 
 
 def metrics(result: Any, hp: Any, options: Any, profile: dict[str, Any]) -> dict[str, Any]:

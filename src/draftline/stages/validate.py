@@ -47,6 +47,8 @@ RESULT_KEYS = (
     "passed", "num_samples", "num_answered", "failed_checks", "finish_reasons",
     "completion_tokens_mean", "completion_tokens_p50", "completion_tokens_p90",
     "completion_tokens_max", "completion_tokens_total", "supervised_tokens_mean",
+    "generated_tokens_total", "supervised_tokens_total", "yield", "sequence_tokens_p50",
+    "sequence_tokens_p90", "sequence_tokens_p99", "sequence_tokens_max",
 )  # fmt: skip
 # What `dvc exp show` compares (the rest is in reports/validate.json).
 COMPARE_KEYS = ("passed", "num_samples", "completion_tokens_mean", "supervised_tokens_mean")
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     shard_ids = [int(k) for k in p["data"]["shard_ids"]]
     expected = expected_rows(Path(args.curate_summary), shard_ids)
     paths = shard_paths(Path(args.generated), shard_ids)
-    table = read_scalar_columns(paths, progress=not args.no_progress)
+    table = read_scalar_columns(paths, progress=not args.no_progress, training=p.get("extract"))
 
     from draftline.quality import validation
 
@@ -161,7 +163,7 @@ def run_shard(args: argparse.Namespace, console: Any) -> int:
     p = params_mod.load(args.params)
     expected = expected_shard_rows(Path(args.curate_summary), shard)
     paths = shard_paths(Path(args.generated), [shard])
-    table = read_scalar_columns(paths, progress=False)
+    table = read_scalar_columns(paths, progress=False, training=p.get("extract"))
     thinking = checks.thinking_enabled(p)
     report_dir = Path(args.reports) / "shards" / f"shard-{shard}"
     outcome = validation.run_suite(
