@@ -89,6 +89,10 @@ def run_metrics(tmp_path: Path) -> Path:
 # generate rate, every turn's prompt prefilled at its extract rate, over the schedule's measured
 # utilisation (the seed node's 1,600 tok/s; B200 22,500).
 SEED_PREFILL = 3 * 500 + 600 * 3 * 2  # turns x prompt + history x turns(turns - 1)
+# Extracted and trained on per conversation (extract.rows turn, the default): one sequence per
+# turn, its prompt (prefill / turns, 1,700) and completion (2,500), capped at max_length 3,072.
+SEED_TURN_TOKENS = 3 * 3_072
+SEED_TOKENS = 912_172 * SEED_TURN_TOKENS
 UTILISATION = planning.SCHEDULE_UTILISATION["work_ahead"][0]
 
 
@@ -163,7 +167,7 @@ def test_generation_counts_turns_prefill_and_the_schedule(seed_params, seed_plan
     )
 
 
-def test_seed_offline_features_are_about_140_tb(seed_params, seed_plan):
+def test_seed_offline_features_are_about_430_tb(seed_params, seed_plan):
     assert plan_figures.feature_bytes_per_token(seed_params["model"]) == 51_200
     inputs = seed_plan["inputs"]
     assert inputs["bytes_per_token"]["value"] == 51_200
@@ -171,14 +175,14 @@ def test_seed_offline_features_are_about_140_tb(seed_params, seed_plan):
     # Eval rows (data.eval_fraction 0.002) are generated but never extracted.
     assert inputs["train_samples"]["value"] == round(914_000 * 0.998)
     storage = seed_plan["storage"]
-    assert storage["offline_features_tb"] == pytest.approx(912_172 * 3_000 * 51_200 / 1e12)
-    assert round(storage["offline_features_tb"]) == 140
-    assert storage["online_token_packs_bytes"] == 912_172 * 3_000 * 5
+    assert storage["offline_features_tb"] == pytest.approx(SEED_TOKENS * 51_200 / 1e12)
+    assert round(storage["offline_features_tb"]) == 430
+    assert storage["online_token_packs_bytes"] == SEED_TOKENS * 5
 
 
 def test_stage_times_costs_and_online_pays_the_target_forward(seed_plan, profiles):
     b200 = seed_plan["profiles"]["b200x8"]
-    tokens = 912_172 * 3_000
+    tokens = SEED_TOKENS
     assert b200["stages"]["extract"]["seconds"] == pytest.approx(tokens / 100_000)
     assert b200["stages"]["train_offline"]["seconds"] == pytest.approx(6 * tokens / 90_000)
     online = b200["stages"]["train_online"]["seconds"]
@@ -223,18 +227,20 @@ def test_every_figure_names_its_source(seed_plan):
 
 def test_storage_over_budget_flags_and_recommends_concrete_numbers(seed_plan):
     storage_flags = [f for f in seed_plan["flags"] if f["kind"] == "storage"]
-    assert len(storage_flags) == 1 and "140.1 TB" in storage_flags[0]["message"]
+    assert len(storage_flags) == 1 and "430.4 TB" in storage_flags[0]["message"]
+    assert "9,216 tokens (turn rows)" in storage_flags[0]["message"]
     recs = {r["kind"]: r for r in seed_plan["recommendations"]}
     assert recs["online_features"]["override"] == "extract.features=online"
-    assert recs["online_features"]["storage_bytes"] == 912_172 * 3_000 * 5
+    assert recs["online_features"]["storage_bytes"] == SEED_TOKENS * 5
     # The largest subset and the longest max length that fit 20 TB, and not one more.
-    per_sample = 3_000 * 51_200
-    assert recs["subset"]["samples"] == 130_208
-    assert 130_208 * per_sample <= 20e12 < 130_209 * per_sample
-    assert recs["max_length"]["max_length"] == 428
-    assert recs["max_length"]["override"] == "extract.max_length=428"
-    assert 912_172 * 428 * 51_200 <= 20e12 < 912_172 * 429 * 51_200
-    # 428 tokens do not even hold the 500-token mean prompt: the plan says it is no way out.
+    per_sample = SEED_TURN_TOKENS * 51_200
+    assert recs["subset"]["samples"] == 42_385
+    assert 42_385 * per_sample <= 20e12 < 42_386 * per_sample
+    # Three sequences per conversation (one per turn), each cut to the max length.
+    assert recs["max_length"]["max_length"] == 142
+    assert recs["max_length"]["override"] == "extract.max_length=142"
+    assert 912_172 * 3 * 142 * 51_200 <= 20e12 < 912_172 * 3 * 143 * 51_200
+    # 142 tokens do not even hold the 500-token mean prompt: the plan says it is no way out.
     assert recs["max_length"]["completion_tokens_kept"] == 0
     assert recs["max_length"]["usable"] is False
     assert "too short" in recs["max_length"]["message"]
@@ -248,7 +254,7 @@ def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(co
     assert not [f for f in plan["flags"] if f["kind"] == "storage"]
     kinds = {r["kind"] for r in plan["recommendations"]}
     assert not kinds & {"online_features", "subset", "max_length"}
-    assert round(plan["storage"]["offline_features_tb"]) == 140  # still said, for comparison
+    assert round(plan["storage"]["offline_features_tb"]) == 430  # still said, for comparison
     # No recommendation is an override the params already hold, whatever its kind.
     for rec in plan["recommendations"]:
         assert not plan_advice.is_set(composed, rec.get("override")), rec
@@ -260,8 +266,8 @@ def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(co
 def test_max_length_recommendation_is_usable_when_the_budget_allows(seed_params, profiles):
     plan = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=100)
     rec = next(r for r in plan["recommendations"] if r["kind"] == "max_length")
-    assert rec["max_length"] == math.floor(100e12 / (912_172 * 51_200))  # 2,141
-    assert rec["completion_tokens_kept"] == 2_141 - 500
+    assert rec["max_length"] == math.floor(100e12 / (912_172 * 3 * 51_200))  # 713
+    assert rec["completion_tokens_kept"] == 713 - 500
     assert rec["usable"] is True and "too short" not in rec["message"]
 
 
@@ -283,11 +289,14 @@ def test_cli_rejects_meaningless_inputs(flag, error, capsys):
 
 def test_time_flags_fire_per_stage_and_profile(seed_plan):
     timed = {(f["profile"], f["stage"]) for f in seed_plan["flags"] if f["kind"] == "time"}
-    # pro6000x4: generation 55.3 d, offline training 19.0 d, online 36.3 d (7-day limit).
+    # pro6000x4: generation 55.3 d, extraction 8.9 d, offline training 58.4 d, online 111.5 d;
+    # b200x8: online training 12.3 d (7-day limit; three sequences per conversation, turn rows).
     assert timed == {
         ("pro6000x4", "generate"),
+        ("pro6000x4", "extract"),
         ("pro6000x4", "train_offline"),
         ("pro6000x4", "train_online"),
+        ("b200x8", "train_online"),
     }
     recs = [r for r in seed_plan["recommendations"] if r["kind"] == "generate_time"]
     assert len(recs) == 1 and recs[0]["profile"] == "pro6000x4"
@@ -296,14 +305,20 @@ def test_time_flags_fire_per_stage_and_profile(seed_plan):
     assert recs[0]["samples"] == math.floor(7 * 86_400 / per_sample)
     assert "b200x8" in recs[0]["message"]
     epochs = {
-        r["stage"]: r["epochs"] for r in seed_plan["recommendations"] if r["kind"] == "train_time"
+        (r["profile"], r["stage"]): r["epochs"]
+        for r in seed_plan["recommendations"]
+        if r["kind"] == "train_time"
     }
-    assert epochs == {"train_offline": 2, "train_online": 1}
+    assert epochs == {
+        ("pro6000x4", "train_offline"): 0,
+        ("pro6000x4", "train_online"): 0,
+        ("b200x8", "train_online"): 3,
+    }
 
 
 def test_flags_follow_the_limits(seed_params, profiles):
     loose = planning.build_plan(
-        seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=200, time_limit_days=60
+        seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=500, time_limit_days=120
     )
     assert loose["flags"] == [] and loose["recommendations"] == []
     assert loose["storage"]["over_budget"] is False
@@ -319,14 +334,17 @@ def test_small_subset_fits_everything(seed_params, profiles):
         seed_params, profiles, {}, samples=10_000, completion_tokens=2_500, prompt_tokens=500
     )
     assert plan["flags"] == [] and plan["recommendations"] == []
-    assert plan["storage"]["offline_features_tb"] == pytest.approx(9_980 * 3_000 * 51_200 / 1e12)
+    assert plan["storage"]["offline_features_tb"] == pytest.approx(
+        9_980 * SEED_TURN_TOKENS * 51_200 / 1e12
+    )
 
 
 def test_max_length_caps_the_feature_tokens(conf, profiles):
     composed = params.compose([*SEED, "extract.max_length=1024"], conf)
     plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
     assert plan["inputs"]["sequence_tokens"]["value"] == 1024
-    assert plan["storage"]["offline_features_bytes"] == 912_172 * 1024 * 51_200
+    # Each of the three turns' sequences capped.
+    assert plan["storage"]["offline_features_bytes"] == 912_172 * 3 * 1024 * 51_200
 
 
 def test_other_target_scales_the_estimates_by_parameters(conf, profiles):
@@ -383,12 +401,14 @@ def test_measured_metrics_replace_estimates_for_their_profile(run_metrics, seed_
     # turns are the data profile's (the shards did not record theirs).
     assert b200["stages"]["generate"]["seconds"] == pytest.approx(1000 * 3 * 800 / 2000)
     assert b200["stages"]["generate"]["utilisation"] is None
-    assert b200["stages"]["extract"]["seconds"] == pytest.approx(990 * 1000 / 5000)
+    # Turn rows: 3 turns of a 1,400-token prompt (3 x 200 + 600 x 3 x 2 prefilled, / 3) + 800.
+    tokens = 990 * 3 * (1_400 + 800)
+    assert b200["stages"]["extract"]["seconds"] == pytest.approx(tokens / 5000)
     extract = b200["throughput"]["extract_tok_s"]
     assert (
         extract["source"] == f"{(run_metrics / 'extract.json').as_posix()} tokens_per_s (on b200x8)"
     )
-    assert b200["stages"]["train_offline"]["seconds"] == pytest.approx(6 * 990 * 1000 / 4000)
+    assert b200["stages"]["train_offline"]["seconds"] == pytest.approx(6 * tokens / 4000)
     online = b200["throughput"]["train_online_tok_s"]
     assert online["value"] == pytest.approx(1 / (1 / 4000 + 1 / 5000))
     assert "train measured, extract measured" in online["source"]
@@ -425,10 +445,13 @@ def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, pr
     turns = composed["data"]["estimate"]["turns"]
     assert cpu["stages"]["generate"]["seconds"] == pytest.approx(40 * turns * 96 / 96)
     assert cpu["throughput"]["train_online_tok_s"]["kind"] == "measured"
-    assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(epochs * 36 * 196 / 1500)
+    # Turn rows, none capped: every turn's prompt (the prefill) and every completion.
+    per_sample = plan["generation"]["prefill_tokens"]["value"] + turns * 96
+    trained = epochs * 36 * per_sample
+    assert cpu["stages"]["train_online"]["seconds"] == pytest.approx(trained / 1500)
     # Offline needs extraction, which nobody measured on a CPU.
     assert cpu["total"]["offline"]["seconds"] is None
-    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 * turns + epochs * 36 * 196 / 1500)
+    assert cpu["total"]["online"]["seconds"] == pytest.approx(40 * turns + trained / 1500)
 
 
 def test_broken_or_partial_metrics_fall_back_with_notes(tmp_path, seed_params, profiles):
@@ -499,10 +522,12 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         for stage in prof["stages"].values():
             assert set(stage) >= {"seconds", "days", "range_days", "over_limit", "source"}
         assert {"output_tokens", "prefill_tokens", "utilisation"} <= set(prof["stages"]["generate"])
-    # 140 TB fits 150 TB; only the 55-day generation and the 36-day online training on the
-    # PRO 6000 exceed 20 days; it fits a PRO 6000, the target sharded over the node's GPUs.
+    # Online features: no storage flag; only the PRO 6000's 55-day generation and its 58- and
+    # 111-day training (turn rows) exceed 20 days; it fits a PRO 6000, the target sharded over
+    # the node's GPUs.
     assert [(f["kind"], f["profile"], f["stage"]) for f in out["flags"]] == [
         ("time", "pro6000x4", "generate"),
+        ("time", "pro6000x4", "train_offline"),
         ("time", "pro6000x4", "train_online"),
     ]
     assert out["generation"]["turns"]["value"] == 3.0
@@ -583,7 +608,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
     assert "Generation per turn: 3.00 turns per conversation" in out
     assert f"utilisation assumed: b200x8 {UTILISATION:.3f}" in out
     assert "benchmarks/generation_schedule.py" in out
-    assert "140.1 TB" in out and "over budget" in out
+    assert "430.4 TB" in out and "over budget" in out
     assert "FLAG" in out and "RECOMMEND" in out and "extract.features=online" in out
     # Online training fits the PRO 6000 too, the target sharded over its four GPUs.
     assert "Memory per GPU" in out and "fsdp x4" in out and "OOM" not in out

@@ -61,7 +61,7 @@ def _flags(
                 "message": (
                     f"offline features need {storage['offline_features_tb']:,.1f} TB "
                     f"({inputs.train_samples.value:,.0f} samples x "
-                    f"{inputs.sequence_tokens.value:,.0f} tokens x "
+                    f"{_per_sample(storage, inputs):,.0f} tokens ({storage['rows']} rows) x "
                     f"{inputs.bytes_per_token.value:,.0f} B), over the "
                     f"{storage['budget_tb']:g} TB budget"
                 ),
@@ -91,6 +91,8 @@ def _recommendations(
     recs: list[dict[str, Any]] = []
     budget_bytes = storage["budget_tb"] * TB
     bpt = inputs.bytes_per_token.value
+    per_sample = _per_sample(storage, inputs)
+    sequences = storage.get("sequences_per_sample") or 1.0
     if storage["over_budget"]:
         times = [
             f"{p['name']} {p['stages']['train_online']['days']:,.1f} d online vs "
@@ -112,7 +114,7 @@ def _recommendations(
                 ),
             }
         )
-        fit_samples = math.floor(budget_bytes / (inputs.sequence_tokens.value * bpt))
+        fit_samples = math.floor(budget_bytes / (per_sample * bpt))
         share = fit_samples / inputs.train_samples.value
         recs.append(
             {
@@ -122,12 +124,14 @@ def _recommendations(
                 "message": (
                     f"train offline on a subset: {fit_samples:,} samples ({share:.1%} of "
                     f"{inputs.train_samples.value:,.0f}) fit {storage['budget_tb']:g} TB at "
-                    f"{inputs.sequence_tokens.value:,.0f} tokens each"
+                    f"{per_sample:,.0f} tokens each"
                 ),
             }
         )
-        fit_length = math.floor(budget_bytes / (inputs.train_samples.value * bpt))
-        kept = fit_length / inputs.sequence_tokens.value
+        # Every sequence of a sample (one per turn with `turn` rows) cut to the same length.
+        fit_length = math.floor(budget_bytes / (inputs.train_samples.value * sequences * bpt))
+        mean_sequence = per_sample / sequences
+        kept = fit_length / mean_sequence
         # The prompt comes first: what is left of the budgeted length is supervised completion.
         supervised = max(0, fit_length - round(inputs.prompt_tokens.value))
         usable = supervised >= 2 * inputs.block_size  # shorter sequences are dropped in training
@@ -142,7 +146,7 @@ def _recommendations(
                 "message": (
                     f"shorter max length: extract.max_length={fit_length:,} fits "
                     f"{storage['budget_tb']:g} TB with all samples, but keeps only {kept:.0%} "
-                    f"of a mean {inputs.sequence_tokens.value:,.0f}-token sequence "
+                    f"of a mean {mean_sequence:,.0f}-token sequence "
                     f"(~{supervised:,} completion tokens after the prompt)"
                     + (
                         ""
@@ -197,6 +201,11 @@ def _recommendations(
                     }
                 )
     return recs
+
+
+def _per_sample(storage: dict[str, Any], inputs: Inputs) -> float:
+    """Tokens through the target's forward per conversation, under the planned row layout."""
+    return storage["feature_tokens"] / (inputs.train_samples.value or 1.0)
 
 
 def _gib(n: float) -> str:

@@ -7,7 +7,7 @@ import textwrap
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import plan_figures, planning
+from draftline.ops import plan_figures, plan_yield, planning
 
 
 def duration(seconds: float | None) -> str:
@@ -47,9 +47,12 @@ def _rate(figure: dict[str, Any]) -> str:
 
 def _header(plan: dict[str, Any]) -> str:
     m = plan["model"]
+    rows = plan["yield"]["configured"]
+    share = plan["yield"]["layouts"][rows]["per_conversation"]["yield"]["value"]
     return (
         f"[bold]{m['name']}[/] ({m['ref']}), drafter {plan['drafter']['name']} x "
-        f"{plan['drafter']['epochs']} epochs, data {plan['data']}, features {plan['features']}"
+        f"{plan['drafter']['epochs']} epochs, data {plan['data']}, features {plan['features']}, "
+        f"rows {rows} (yield {share:.2f})"
     )
 
 
@@ -105,6 +108,9 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             f"[dim]Not shown: {', '.join(unknown)}: no throughput for this target "
             "(measured on a run there, or throughput.* in conf/hardware/)[/]"
         )
+    console.print(plan_yield.yield_table(plan, profiles))
+    for line in plan_yield.yield_sources(plan):
+        console.print(line, style="dim", highlight=False)
     console.print(generation_line(plan))
     console.print(f"[bold]Serving precision[/]: {plan_figures.precision_text(plan, profiles)}")
     for pair in plan.get("two_nodes") or []:

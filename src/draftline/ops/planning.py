@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from draftline.core.target import model_ref
+from draftline.ops import plan_yield
 from draftline.ops.plan_advice import flags, recommendations
 from draftline.ops.plan_figures import (
     DAY_S,
@@ -198,12 +199,16 @@ def plan_profile(
     metrics: dict[str, Any],
     time_limit_days: float,
     gen: Generation | None = None,
+    feature_tokens: float | None = None,
 ) -> dict[str, Any]:
-    """Stage times, totals and costs of one profile."""
+    """Stage times, totals and costs of one profile. `feature_tokens`: the tokens of the run
+    through the target's forward (`plan_yield.run_tokens`), extracted once, trained each epoch;
+    by default one sequence per conversation."""
     rates = profile_throughput(name, profile, params, metrics)
     gen = gen or generation_work(params, metrics, inputs)
-    seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
-    train_tokens = inputs.epochs * seq_tokens
+    if feature_tokens is None:
+        feature_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
+    train_tokens = inputs.epochs * feature_tokens
     online_rate = rates.get("train_online")
     if online_rate is None:
         # Online training runs the frozen target forward for every token it trains on.
@@ -219,7 +224,7 @@ def plan_profile(
         "generate": _generate_stage(
             inputs, gen, rates, schedule_utilisation(profile), time_limit_days
         ),
-        "extract": _stage(seq_tokens, rates["extract"], time_limit_days),
+        "extract": _stage(feature_tokens, rates["extract"], time_limit_days),
         "train_offline": _stage(train_tokens, rates["train"], time_limit_days),
         "train_online": _stage(train_tokens, online_rate, time_limit_days),
     }
@@ -273,9 +278,14 @@ def build_plan(
     metrics = metrics or {}
     memory = memory or {}
     inputs = resolve_inputs(params, metrics, samples, completion_tokens, prompt_tokens)
-    seq_tokens = inputs.train_samples.value * inputs.sequence_tokens.value
+    gen = generation_work(params, metrics, inputs)
+    layout = plan_yield.configured_layout(params)
+    yields = plan_yield.layout_yields(params, metrics, inputs, gen.turns, gen.prefill_tokens)
+    seq_tokens = plan_yield.run_tokens(inputs, yields[layout])
     feature_bytes = seq_tokens * inputs.bytes_per_token.value
     storage = {
+        "rows": layout,
+        "sequences_per_sample": yields[layout].sequences.value,
         "feature_tokens": seq_tokens,
         "offline_features_bytes": feature_bytes,
         "offline_features_tb": feature_bytes / TB,
@@ -284,11 +294,21 @@ def build_plan(
         # Judged only when the plan trains offline: online features write token packs only.
         "over_budget": inputs.features == "offline" and feature_bytes / TB > storage_budget_tb,
     }
-    gen = generation_work(params, metrics, inputs)
     planned = [
-        plan_profile(name, prof, params, inputs, metrics, time_limit_days, gen)
+        plan_profile(name, prof, params, inputs, metrics, time_limit_days, gen, seq_tokens)
         for name, prof in profiles.items()
     ]
+    # The same run under each layout: only extraction and training change.
+    totals = {layout: {p["name"]: p["total"] for p in planned}}
+    for name, y in yields.items():
+        if name != layout:
+            tokens = plan_yield.run_tokens(inputs, y)
+            totals[name] = {
+                prof: plan_profile(
+                    prof, spec, params, inputs, metrics, time_limit_days, gen, tokens
+                )["total"]
+                for prof, spec in profiles.items()
+            }
     for p in planned:
         if p["name"] in memory:
             p["memory"] = memory[p["name"]]
@@ -321,6 +341,7 @@ def build_plan(
             "prefill_tokens": _figure(gen.prefill_tokens),
             "output_tokens": gen.output_tokens,
         },
+        "yield": plan_yield.section(layout, yields, inputs, totals),
         "limits": {"storage_budget_tb": storage_budget_tb, "time_limit_days": time_limit_days},
         "storage": storage,
         "profiles": {p["name"]: p for p in planned},
