@@ -14,12 +14,21 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
   the draft-token slots EAGLE/NEXTN speculation reserves, reaches it, or when that plus
   `max_new_tokens` passes it (`TokenizerManager._validate_input_ids_in_context_length`);
 - `GET /health`: 200 once ready (503 during `--startup-delay`), as SGLang does while loading;
+- `GET /server_info` (and its deprecated alias `/get_server_info`), as SGLang 0.5.23 answers it:
+  the configured `max_running_requests` (`--max-running-requests`, SGLang's flag), the KV pool
+  `max_total_num_tokens` (`--max-total-num-tokens`) and `internal_states` with the cap the
+  scheduler settled on, `effective_max_running_requests_per_dp`: the configured one, or
+  `--running-cap` when that is lower (SGLang lowers it to what memory and CUDA graphs allow);
 - a router in front of DP engines when started with `--dp-size N` (N > 1), as
   `python -m sglang_router.launch_server` (sglang-router 0.3.2) is: it starts N engines on ports
   of their own, logging `Launching DP server process <i> on port <port>` for each as its
   launcher does, each loading for `--startup-delay`; the router's own `/health` is its liveness
   probe and answers 200 at once, before any engine is ready, and its `/generate` answers 503
-  while no engine is (the gateway's docs: docs/advanced_features/sgl_model_gateway.md);
+  while no engine is (the gateway's docs: docs/advanced_features/sgl_model_gateway.md). It
+  registers its workers in a background job: `--router-ready-delay S` more seconds after the
+  engines load, during which `GET /readiness` answers 503 `{"status": "not ready"}` and
+  `/generate` 503; then 200 `{"status": "ready", "healthy_workers": N, "total_workers": N}`.
+  `--early-log FILE` appends the time of every `/generate` refused that way;
 - speculative decoding: started with SGLang's `--speculative-algorithm` (and
   `--speculative-num-draft-tokens`), `meta_info` also carries `spec_verify_ct`, the number of
   verify steps (target forwards) the request took, as SGLang reports it; each step commits
@@ -149,6 +158,21 @@ class StandIn:
             return web.Response(status=503, text="loading")
         return web.Response(text="")
 
+    async def server_info(self, request: web.Request) -> web.Response:
+        o = self.opts
+        configured = o.max_running_requests
+        caps = [c for c in (configured, o.running_cap) if c]
+        return web.json_response(
+            {
+                "max_running_requests": configured,
+                "max_total_num_tokens": o.max_total_num_tokens,
+                "internal_states": [
+                    {"effective_max_running_requests_per_dp": min(caps) if caps else 4096}
+                ],
+                "version": "stand-in",
+            }
+        )
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         try:
@@ -252,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-total-num-tokens", type=int, default=1_000_000)
+    p.add_argument("--running-cap", type=int, default=None, help="what the scheduler settles on")
+    p.add_argument("--router-ready-delay", type=float, default=0.0)
+    p.add_argument("--early-log", default=None, help="router: times of /generate before ready")
     p.add_argument("--one-token-share", type=float, default=0.0, help="answers of one token")
     p.add_argument(
         "--nan-token", type=int, default=-1, help="a prompt with this id hits a NaN step"
@@ -263,25 +292,39 @@ def make_app(opts: argparse.Namespace) -> web.Application:
     server = StandIn(opts)
     app = web.Application(client_max_size=64 * 2**20)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/server_info", server.server_info)
+    app.router.add_get("/get_server_info", server.server_info)
     app.router.add_post("/generate", server.generate)
     return app
 
 
 def make_router_app(opts: argparse.Namespace) -> web.Application:
     """The router: alive at once, serving only once its engines (same model, same loading
-    time) are ready."""
+    time) are ready and it has registered them (`--router-ready-delay` later)."""
     server = StandIn(opts)
+    registered_at = server.ready_at + opts.router_ready_delay
 
     async def liveness(request: web.Request) -> web.Response:
         return web.json_response({"status": "healthy"})
 
+    async def readiness(request: web.Request) -> web.Response:
+        if time.monotonic() < registered_at:
+            body = {"status": "not ready", "reason": "insufficient healthy workers"}
+            return web.json_response(body, status=503)
+        n = opts.dp_size
+        return web.json_response({"status": "ready", "healthy_workers": n, "total_workers": n})
+
     async def generate(request: web.Request) -> web.StreamResponse:
-        if time.monotonic() < server.ready_at:
+        if time.monotonic() < registered_at:
+            if opts.early_log:
+                with open(opts.early_log, "a", encoding="utf-8") as f:
+                    f.write(f"{time.time():.3f}\n")
             return web.json_response({"error": {"message": "No available workers"}}, status=503)
         return await server.generate(request)
 
     app = web.Application(client_max_size=64 * 2**20)
     app.router.add_get("/health", liveness)
+    app.router.add_get("/readiness", readiness)
     app.router.add_post("/generate", generate)
     return app
 

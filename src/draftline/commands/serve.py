@@ -6,10 +6,13 @@ or vLLM for a profile with `engine: vllm` (e.g. `--hardware vllm_cpu`).
   draftline serve start --no-speculation --port 30002           # the baseline of `bench`
   draftline serve start --hardware vllm_cpu [--drafter models/drafter]  # vLLM (dflash)
   draftline serve status
-  draftline serve stop [--port 30000 | --all]
+  draftline serve stop [--port 30000 | --all] [--grace 180]
 
 Servers bind 127.0.0.1 unless --host says otherwise, log to logs/serve/, and outlive the
-generate stages that use them; `stop` ends only servers that `start` started.
+generate stages that use them; `stop` ends only servers that `start` started, every process of
+them (DP engines in process groups of their own included): SIGTERM, SIGKILL after --grace
+seconds, and it returns once none is left and, on a GPU node, says whether any still holds a
+GPU (exit code 1 when one does, or a process survived SIGKILL).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.generation import sglang_server, vllm_server
-from draftline.generation.server_process import display
+from draftline.generation.server_process import STOP_GRACE_S, display
 from draftline.runtime import hardware, params
 
 
@@ -38,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for /health")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     parser.add_argument("--all", action="store_true", help="stop: every server start started")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=STOP_GRACE_S,
+        help="stop: seconds between SIGTERM and SIGKILL (SGLang shuts down gracefully)",
+    )
     spec = parser.add_mutually_exclusive_group()
     spec.add_argument(
         "--drafter", default=None, help="serve with this exported DFlash drafter (DFLASH)"
@@ -88,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         f"{display(state.kind)} ({profile.get('name')}) healthy at {state.url}, pid {state.pid}, "
         f"log {state.log}"
     )
+    if caps := sglang_server.describe_limits(state):
+        print(caps)
     return 0
 
 
@@ -118,7 +129,10 @@ def _stop(args: argparse.Namespace) -> int:
     if not states:
         print("nothing to stop: no server started by `draftline serve start` matches")
         return 0
+    clean = True
     for s in states:
-        stopped = sglang_server.stop(s)
-        print(f"{'stopped' if stopped else 'already gone:'} {s.url} (pid {s.pid})")
-    return 0
+        stopped = sglang_server.stop(s, grace_s=args.grace)
+        verb = "stopped" if stopped else "already gone:"
+        print(f"{verb} {s.url} (pid {s.pid}): {stopped.summary()}")
+        clean = clean and stopped.clean
+    return 0 if clean else 1

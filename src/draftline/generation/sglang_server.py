@@ -21,15 +21,19 @@ import re
 import shlex
 import sys
 import time
+import urllib.error
 from pathlib import Path
 from typing import Any
 
 from draftline.generation import host_cache, timeouts
 from draftline.generation.server_process import (  # noqa: F401  (the lifecycle, re-exported)
+    _DIRECT,
     LOG_DIR,
     STATE_DIR,
+    STOP_GRACE_S,
     ServeError,
     ServerState,
+    Stopped,
     _stat,
     alive,
     group_members,
@@ -45,6 +49,7 @@ from draftline.generation.server_process import state_path as _state_path
 
 PYTHON_ENV = "DRAFTLINE_SGLANG_PYTHON"
 LAUNCHER_ENV = "DRAFTLINE_SGLANG_LAUNCHER"
+PRIORITY_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
 
 
 def sglang_settings(profile: dict[str, Any]) -> dict[str, Any]:
@@ -179,6 +184,10 @@ def server_command(
             cmd += ["--hicache-size", str(host_gb)]
     if serving.get("deterministic_inference"):
         cmd += ["--enable-deterministic-inference"]
+    # The client sends each turn's priority (its conversation's turns left) and SGLang serves
+    # higher values first from its own queue, without preempting running requests for them
+    # (a preempted request loses its decode progress). SGLang 0.5.23: arg_groups/fields/schedule.py.
+    cmd += PRIORITY_FLAGS
     if dp > 1:
         # The router waits longer than the client does for the same answer, and leaves the
         # retrying to the client (which retries on another endpoint and journals): retries of
@@ -288,27 +297,112 @@ def engine_urls(log: str | Path, host: str) -> list[str]:
     return [reach_url(host, ports[rank]) for rank in sorted(ports)]
 
 
-def engines_missing(profile: dict[str, Any], host: str | None = None) -> Any:
+def engines_missing(
+    profile: dict[str, Any], host: str | None = None, port: int | None = None
+) -> Any:
     """`launch`'s readiness check for this profile: with a router in front of DP engines, what
-    is missing until every engine it launched answers its own `/health` (None once all do)."""
+    is missing until every engine it launched answers its own `/health` and the router's
+    `/readiness` counts them all healthy (None once both hold)."""
     dp = int(sglang_settings(profile).get("dp_size") or 1)
     if dp <= 1:
         return None
     bound = bind_host(profile, host)
+    router = server_url(profile, host, port)
 
     def missing(log: Path) -> str | None:
         engines = engine_urls(log, bound)
         up = sum(healthy(url, timeout_s=2.0) for url in engines)
-        if len(engines) == dp and up == dp:
-            return None
-        return f"{up} of {dp} engines healthy behind the router"
+        if len(engines) != dp or up != dp:
+            return f"{up} of {dp} engines healthy behind the router"
+        return router_missing(router, dp)
 
     return missing
 
 
+def router_missing(url: str, dp: int) -> str | None:
+    """Why the router at `url` does not serve all `dp` engines yet, or None. It registers its
+    workers in a job of its own after they answer, and its `/readiness` says ready once one is
+    healthy: every engine must be among `healthy_workers` (sglang-router 0.3.2)."""
+    try:
+        with _DIRECT.open(f"{url}/readiness", timeout=2.0) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # a router without the route: the engines' /health is all there is
+            return None
+        return f"router /readiness: HTTP {exc.code} {exc.read()[:200].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError, ValueError):
+        return "the router's /readiness does not answer"
+    body = body if isinstance(body, dict) else {}
+    healthy_n, total = body.get("healthy_workers"), body.get("total_workers")
+    if body.get("status") == "ready" and healthy_n == total == dp:
+        return None
+    return f"router /readiness: {healthy_n} of {total} workers healthy, {dp} engines launched"
+
+
+def server_limits(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """One engine's limits as it reports them: the running-request cap its scheduler settled on
+    (SGLang 0.5.23's `/server_info`: `internal_states[].effective_max_running_requests_per_dp`,
+    below `--max-running-requests` when memory or CUDA graphs allow fewer; else the configured
+    `max_running_requests`) and its KV pool in tokens (`max_total_num_tokens`)."""
+    info: Any = None
+    for route in ("/server_info", "/get_server_info"):  # the second: SGLang before 0.5.23
+        try:
+            with _DIRECT.open(f"{url}{route}", timeout=timeout_s) as resp:
+                info = json.loads(resp.read())
+            break
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    if not isinstance(info, dict):
+        return {"url": url}
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    running = [s.get("effective_max_running_requests_per_dp") for s in states]
+    if running and all(isinstance(r, int) for r in running):
+        cap = sum(running)
+    else:
+        cap = info.get("max_running_requests")
+    return {
+        "url": url,
+        "max_running_requests": cap if isinstance(cap, int) else None,
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+    }
+
+
+def engine_limits(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> Any:
+    """`launch`'s `limits` for this profile: each engine's (`server_limits`), behind a router
+    every DP engine it logged, else the server itself."""
+    dp = int(sglang_settings(profile).get("dp_size") or 1)
+
+    def limits(log: Path) -> list[dict[str, Any]]:
+        urls = engine_urls(log, bind_host(profile, host)) if dp > 1 else []
+        return [server_limits(u) for u in urls or [server_url(profile, host, port)]]
+
+    return limits
+
+
+def describe_limits(state: ServerState) -> str | None:
+    """The line `serve start` prints about the engines' real limits (None when unknown)."""
+    caps = [e.get("max_running_requests") for e in state.engines]
+    if not caps or not all(isinstance(c, int) for c in caps):
+        return None
+    tokens = [e.get("max_total_num_tokens") for e in state.engines]
+    pools = f", KV pools of {min(tokens):,}-{max(tokens):,} tokens" if all(tokens) else ""
+    running = "/".join(map(str, sorted(set(caps))))
+    return f"engines: {len(caps)}, running at most {running} requests each{pools}"
+
+
+def recorded_limits(profile: dict[str, Any], root: Path = Path(".")) -> list[dict[str, Any]]:
+    """The limits `serve start` recorded for the profile's own server on this node, if it runs."""
+    port = bind_port(profile)
+    for state in read_states(root):
+        if state.port == port and state.kind == "sglang" and alive(state):
+            return state.engines
+    return []
+
+
 def wait_for_engines(profile: dict[str, Any], timeout_s: float, root: Path = Path(".")) -> None:
     """Before a stage talks to the router `serve start` launched on this node: wait until
-    every engine behind it answers (the router's `/health` alone says nothing about them)."""
+    every engine behind it answers and the router serves them all (its `/health` alone says
+    nothing about them)."""
     missing = engines_missing(profile)
     port = bind_port(profile)
     state = next((s for s in read_states(root) if s.port == port and s.kind == "sglang"), None)
@@ -333,7 +427,8 @@ def start(
     generate: dict[str, Any] | None = None,
 ) -> ServerState:
     """Start one SGLang server and wait until it and, behind a router, every DP engine answers
-    `/health` (`server_process.launch`); a Python without SGLang fails first, naming the fix
+    `/health` and the router's `/readiness` counts them all (`server_process.launch`); the
+    state records each engine's limits. A Python without SGLang fails first, naming the fix
     (not in the server's log). `generate` as for `server_command`."""
     if message := missing_engine(profile):
         raise ServeError(message)
@@ -348,5 +443,6 @@ def start(
         profile=profile.get("name"),
         timeout_s=timeout_s,
         root=root,
-        ready=engines_missing(profile, host),
+        ready=engines_missing(profile, host, port),
+        limits=engine_limits(profile, host, port),
     )

@@ -100,9 +100,15 @@ def make_server_engine(
             sglang_server.wait_for_engines(profile, float(gen.get("serve_timeout_s", 1800)))
         except ServeError as exc:
             raise SystemExit(f"generate: {exc}") from exc
+    in_flight = int(settings.get("max_in_flight") or 256)
+    if kind == "sglang":
+        # Caps are known for the node's own servers only (`serve start` records them).
+        own = endpoints == [server.server_url(profile)]
+        caps = sglang_server.recorded_limits(profile) if own else []
+        in_flight = sglang_in_flight(caps, in_flight)
     client_settings = sglang.ClientSettings(
         endpoints=tuple(endpoints),
-        max_in_flight=int(settings.get("max_in_flight") or 256),
+        max_in_flight=in_flight,
         # From max_new_tokens and one request's decode rate at the profile's in-flight count
         # (`generation.timeouts`), unless generate.request_timeout_s is set.
         request_timeout_s=timeouts.client_timeout_s(
@@ -111,10 +117,29 @@ def make_server_engine(
         max_retries=int(gen.get("max_retries", 5)),
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
         backoff_max_s=float(gen.get("backoff_max_s", 30)),
-        # The servers order their queues by the scheduler's priorities only when asked to.
-        priorities=kind == "sglang"
-        and "--enable-priority-scheduling" in [str(a) for a in settings.get("extra_args") or []],
+        # `serve start` asks SGLang to order its queue by them (sglang_server.PRIORITY_FLAGS).
+        priorities=kind == "sglang",
     )
     engine = sglang.SGLangEngine if kind == "sglang" else vllm.VLLMEngine
     serving = sglang_server.serving_identity(p["model"])
     return engine(client_settings, sampling, end_of_turn, serving, p["model"].get("eos_token_id"))
+
+
+def sglang_in_flight(engines: list[dict[str, Any]], figure: int) -> int:
+    """The SGLang client's in-flight count: from the running caps `serve start` recorded for
+    the engines when every one is known (`sglang.in_flight_for`), else the profile's `figure`;
+    one line says which."""
+    from draftline.generation.engines.sglang import in_flight_for
+
+    caps = [e.get("max_running_requests") for e in engines]
+    if not caps or not all(isinstance(c, int) and c > 0 for c in caps):
+        print(f"SGLang client: {figure} requests in flight (hardware.sglang.max_in_flight)")
+        return figure
+    size = in_flight_for(caps, figure)
+    running = "/".join(map(str, sorted(set(caps))))
+    print(
+        f"SGLang client: {size} requests in flight, from the servers' caps ({len(caps)} engines "
+        f"running at most {running} each, plus a short queue; hardware.sglang.max_in_flight "
+        f"{figure})"
+    )
+    return size

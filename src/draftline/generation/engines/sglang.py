@@ -60,8 +60,17 @@ class ClientSettings:
     backoff_max_s: float = 30.0
     health_timeout_s: float = 5.0
     # Send each request's `priority` (SGLang schedules by it, higher first, when started with
-    # `--enable-priority-scheduling`; older servers reject the field).
+    # `--enable-priority-scheduling`, as `serve start` does; without it 0.5.23 ignores the field
+    # unless `--abort-on-priority-when-disabled`, and servers before priorities reject it).
     priorities: bool = False
+
+
+def in_flight_for(caps: Sequence[int], figure: int) -> int:
+    """How many requests to keep open over engines that run at most `caps` each: every
+    engine's cap plus a small queue (max(4, cap / 8)) so a finished request is replaced at once,
+    never more than the profile's `figure`. Beyond that they would only wait in SGLang's queue,
+    where the client's priorities no longer order them."""
+    return min(figure, sum(cap + max(4, cap // 8) for cap in caps))
 
 
 def resolve_endpoints(
