@@ -47,13 +47,47 @@ def tiny_target_dir() -> Path:
     return path
 
 
-def pytest_report_header() -> str:
-    """Which float kernels this run uses (.ci/run reruns some tests under generic ones)."""
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which float kernels this run uses (.ci/run reruns some tests under generic ones), and how
+    to run a file named on the command line whose tests the default marker filter leaves out."""
     import torch
 
     env = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
     chosen = ", ".join(f"{k}={os.environ[k]}" for k in env if k in os.environ) or "defaults"
-    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({chosen})"
+    lines = [f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({chosen})"]
+    return lines + deselected_file_hints(config)
+
+
+# Markers the default run (pyproject's addopts) leaves out, and how each is run.
+DESELECTED_MARKERS = {
+    "two_nodes": "-m two_nodes -n 0",
+    "vllm": "-m vllm (in .venv-vllm: bash .ci/vllm test)",
+    "engines": "-m engines (in .venv-engines: bash .ci/engines test)",
+    "rebuild": "-m rebuild",
+    "slow": "-m slow",
+}
+
+
+def deselected_file_hints(config: pytest.Config) -> list[str]:
+    """One line per file named on the command line whose module is marked with a marker the
+    current `-m` leaves out: a plain `pytest FILE` would otherwise select nothing, silently."""
+    expression = config.option.markexpr or ""
+    lines = []
+    for arg in config.args:
+        path = Path(arg.split("::")[0])
+        files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        for file in files:
+            if not file.is_file():
+                continue
+            text = file.read_text(encoding="utf-8", errors="replace")
+            for marker, how in DESELECTED_MARKERS.items():
+                module_wide = f"pytestmark = pytest.mark.{marker}" in text
+                if module_wide and f"not {marker}" in expression:
+                    lines.append(
+                        f"{file} is marked {marker}, which -m '{expression}' leaves out: "
+                        f"run it with `pytest {how} {file}`"
+                    )
+    return lines
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
