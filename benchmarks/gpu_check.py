@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -48,22 +47,16 @@ import yaml
 
 from draftline.core.target import hybrid_kernels_missing
 from draftline.drafter import sharding
-from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
-from draftline.drafter.extraction import pack_features
-from draftline.drafter.features import needed_layers_only, target_layer_states
-from draftline.drafter.objective import MicroBatch, position_weights
+from draftline.drafter.dflash import DFlashConfig, TargetHead
 from draftline.drafter.sharding import Layout
-from draftline.drafter.training import autocast, step_loss
+from draftline.ops.calibration_parts import (
+    add_mfu,
+    peak_flops,
+    random_batch,
+    time_extraction,
+    time_training,
+)
 from draftline.runtime import distributed
-
-# Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), TFLOP/s.
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "B200": 2250.0,
-    "RTX PRO 6000": 503.8,
-    "A100": 312.0,
-}
 
 CONF_MODELS = Path(__file__).resolve().parents[1] / "conf" / "model"
 
@@ -129,18 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def peak_flops(device: torch.device, override: float | None) -> tuple[float | None, str]:
-    if override:
-        return override * 1e12, "--peak-tflops"
-    if device.type != "cuda":
-        return None, "CPU: no peak table"
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key.lower() in name.lower():
-            return tflops * 1e12, f"{key} dense bf16 datasheet peak"
-    return None, f"unknown GPU {name!r}: pass --peak-tflops"
-
-
 def make_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -170,80 +151,16 @@ def long_tailed_rows(total_tokens: int, vocab: int, max_len: int) -> list[list[i
     return sorted(rows, key=len)
 
 
-def counted_flops(work: Any) -> float:
-    """FLOPs torch counts (matmuls, attention) while `work()` runs once."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        work()
-    return float(counter.get_total_flops())
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_bytes(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def check_extraction(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
     rows = long_tailed_rows(
         args.extract_tokens, shape["config"]["vocab_size"], 4096 if not args.tiny else 256
     )
     layers = shape["target_layer_ids"]
-    warm = rows[-4:]
-    pack_features(model, warm, layers, args.tokens_per_batch, device)
-    synchronize(device)
-    reset_peak(device)
-    began = time.perf_counter()
-    feats, padded = pack_features(model, rows, layers, args.tokens_per_batch, device)
-    synchronize(device)
-    seconds = time.perf_counter() - began
-    peak = peak_bytes(device)
-    tokens = sum(len(r) for r in rows)
-    return {
-        "sequences": len(rows),
-        "tokens": tokens,
-        "padded_tokens": padded,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "flops": counted_flops(
-            lambda: pack_features(model, rows, layers, args.tokens_per_batch, device)
-        ),
-        "feature_bytes_per_token": feats.element_size() * feats.shape[-1],
-        "peak_gpu_bytes": peak,
-    }
-
-
-def join_world(device: torch.device) -> tuple[int, int]:
-    """(rank, world size): torchrun's group when launched by it, else a one-process group on
-    loopback, so the sharded layout runs its real collectives either way."""
-    import torch.distributed as dist
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if distributed.launched_by_torchrun():
-        distributed.init(backend)
-    elif not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind((distributed.LOOPBACK, 0))
-            port = s.getsockname()[1]
-        address = f"tcp://{distributed.LOOPBACK}:{port}"
-        dist.init_process_group(backend, init_method=address, rank=0, world_size=1)
-    return distributed.rank(), distributed.world_size()
+    return time_extraction(model, rows, layers, args.tokens_per_batch, device)
 
 
 def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, device) -> dict:
     """The training step laid out as a GPU profile trains (see the module docstring)."""
-    rank, world = join_world(device)
-    layout = Layout(args.sharding, args.activation_checkpointing)
     vocab = int(shape["config"]["vocab_size"])
     config = DFlashConfig.from_target(
         shape["config"],
@@ -255,87 +172,15 @@ def check_training(model: Any, shape: dict[str, Any], args: argparse.Namespace, 
     )
     head = TargetHead.from_model(model)
     head = TargetHead(head.embed_weight.clone(), head.lm_head_weight.clone())  # kept whole
-    layer_ids = list(config.target_layer_ids)
-    b, t, n, s = args.train_batch, args.train_seq_len, args.anchors, args.block
-    gen = torch.Generator().manual_seed(2 + rank)
-    ids = torch.randint(0, vocab - 1, (b, t), generator=gen)
-    mask = torch.ones_like(ids)
-    online = args.features == "online"
-    # What online training holds of the target: no lm_head (the drafter reads its own copy of
-    # it, `head`), no layer after the last captured one.
-    model.lm_head = torch.nn.Identity()
-    target = needed_layers_only(model, layer_ids)
-    features = None
-    if not online:
-        features = target_layer_states(target, ids.to(device), layer_ids, mask.to(device))
-        features = features.to(torch.bfloat16)
-        target = None
-        model.to("cpu")  # offline training holds no target on the GPU
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(config, head).to(device)
-    mesh = sharding.mesh(device, world)
-    if layout.sharding == "fsdp":  # also over one process: the same code as on N
-        if target is not None:
-            sharding.shard_target(target, mesh)
-        if layout.activation_checkpointing:
-            sharding.checkpoint_layers(drafter.layers)
-        trained = sharding.shard_drafter(drafter, mesh)
-    else:
-        trained = sharding.lay_out(drafter, layout, world, device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, foreach=device.type == "cuda")
-    anchors = torch.stack(
-        [torch.randperm(t - s, generator=gen)[:n].sort().values + 1 for _ in range(b)]
-    )
-    block_ids = torch.full((b, n, s), config.mask_token_id)
-    block_ids[..., 0] = ids.gather(1, anchors)
-    labels = ids.gather(1, (anchors[..., None] + torch.arange(s)).flatten(1)).view(b, n, s)
-    weights = position_weights(s, 7.0).expand(b, n, s).contiguous()
-    batch = MicroBatch(
-        input_ids=ids, attention_mask=mask, anchors=anchors, block_ids=block_ids,
-        labels=labels, weights=weights, sample_ids=[],
-    ).to(device)  # fmt: skip
-    total_weight = float(weights.sum()) * world
-
-    def step() -> float:
-        feats = features
-        if target is not None:
-            feats = target_layer_states(target, batch.input_ids, layer_ids, batch.attention_mask)
-            feats = feats.to(torch.bfloat16)
-        with autocast(device.type, "bf16"):
-            parts = step_loss(trained, head.lm_head_weight, feats, batch)
-            loss = parts.weighted_ce * world / total_weight
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach()) / world
-
-    for _ in range(2):
-        step()
-    synchronize(device)
-    reset_peak(device)
-    began = time.perf_counter()
-    losses = [step() for _ in range(args.train_steps)]
-    synchronize(device)
-    seconds = distributed.all_max(time.perf_counter() - began)
-    peak = peak_bytes(device)
-    flops = distributed.all_sum([counted_flops(step) * args.train_steps])[0]
-    return {
-        "sharding": layout.sharding,
-        "activation_checkpointing": layout.activation_checkpointing,
-        "features": args.features,
-        "world_size": world,
-        "drafter_parameters": sum(p.numel() for p in drafter.parameters()) * world,
-        "steps": args.train_steps,
-        "seconds": seconds,
-        "sequence_tokens_per_s": world * b * t * args.train_steps / seconds,
-        "block_tokens_per_s": world * b * n * s * args.train_steps / seconds,
-        "flops": flops,
-        "loss_first_last": [losses[0], losses[-1]],
-        "peak_gpu_bytes": peak,
-        "peak_gpu_bytes_max": None if peak is None else int(distributed.all_max(peak)),
-        "drafter_config": config,  # for the plan, which runs once the process group is gone
-    }
+    seed = 2 + int(os.environ.get("RANK", "0"))
+    batch = random_batch(config, [args.train_seq_len] * args.train_batch, args.anchors, 7.0, seed)
+    result = time_training(
+        model, config, head, batch, features=args.features,
+        layout=Layout(args.sharding, args.activation_checkpointing), device=device,
+        precision="bf16", steps=args.train_steps,
+    )  # fmt: skip
+    result["drafter_config"] = config  # for the plan, which runs once the process group is gone
+    return result
 
 
 def planned_train_peak(
@@ -394,9 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         shape, training.pop("drafter_config"), args, layout, training["world_size"]
     )
     # Extraction ran on each GPU alone; training's FLOPs are every GPU's together.
-    for part, gpus in ((extraction, 1), (training, training["world_size"])):
-        part["achieved_tflops"] = part["flops"] / part["seconds"] / 1e12
-        part["mfu"] = part["flops"] / part["seconds"] / (peak * gpus) if peak else None
+    add_mfu(extraction, peak)
+    add_mfu(training, peak, training["world_size"])
     report = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,

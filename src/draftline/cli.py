@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compose": ("draftline.commands.compose", "compose conf/ into params.yaml (Hydra overrides)"),
     "doctor": ("draftline.commands.doctor", "check this node: tools, packages, GPUs, profile"),
     "plan": ("draftline.commands.plan", "time, storage and cost of a run on each profile"),
+    "calibrate": (
+        "draftline.commands.calibrate",
+        "measure this node's generate/extract/train rates for plan",
+    ),
     "serve": ("draftline.commands.serve", "start, stop or show the SGLang servers"),
     "bench": ("draftline.commands.bench", "acceptance and speed-up against a live SGLang server"),
     "salvage": ("draftline.commands.salvage", "save everything before a node shuts down"),

@@ -102,6 +102,7 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
     rows.extend(_gpu_count_rows(profile, gpus, chosen))
     rows.extend(_engine_rows(profile))
     rows.extend(_engine_argv_rows(run_params))
+    rows.extend(_calibration_rows(run_params))
     free_gb = shutil.disk_usage(".").free / 1e9
     rows.append(
         (
@@ -110,6 +111,25 @@ def checks(config_dir: str = "conf") -> list[tuple[str, bool, str]]:
             f"{free_gb:.1f} GB" + ("" if free_gb >= MIN_FREE_GB else f" (< {MIN_FREE_GB} GB)"),
         )
     )
+    return rows
+
+
+def _calibration_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
+    """A warning per `draftline calibrate` result measured on another target, data, drafter,
+    features or package versions than this node has now (`draftline plan` would mislead)."""
+    from draftline.ops import calibration
+
+    if not run_params or "model" not in run_params:
+        return []
+    rows = []
+    for path in sorted(calibration.CALIBRATION_DIR.glob("*.json")):
+        record = calibration.read(path)
+        reasons = calibration.stale_reasons(record, run_params) if record else ["unreadable"]
+        if reasons:
+            rows.append((
+                "calibration", True,
+                f"warning: {path} is stale ({'; '.join(reasons)}): rerun `draftline calibrate`",
+            ))  # fmt: skip
     return rows
 
 

@@ -1,7 +1,8 @@
 """The figures a plan is made of, each with its source: data sizes and lengths (command-line
 inputs, a run's measured statistics, or estimates) and each hardware profile's throughputs
-(measured on that profile, else its conf/ estimate scaled to the target). Measured figures count
-only for the model, data and drafter they were measured on."""
+(measured on that profile by a run, else by `draftline calibrate`, else its conf/ estimate scaled
+to the target). Measured figures count only for the model, data and drafter they were measured
+on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from draftline.ops import calibration
 from draftline.runtime.params import identity as run_identity
 from draftline.runtime.run_log import IDENTITY_KEYS, REPORTS_DIR, generation_rate, number_at
 
@@ -36,6 +38,9 @@ class Figure:
     kind: str = "estimate"
     low: float | None = None
     high: float | None = None
+    # The conf/ estimate a calibrated figure replaces (None: there was none), for the plan's
+    # estimate-vs-measured table.
+    estimate: float | None = None
 
     @property
     def measured(self) -> bool:
@@ -77,6 +82,39 @@ def usable(metrics: dict[str, Any] | None, wanted: dict[str, Any]) -> bool:
     return isinstance(metrics, dict) and all(metrics.get(k) == wanted[k] for k in IDENTITY)
 
 
+def calibration_of(
+    name: str | None, params: dict[str, Any], metrics: dict[str, Any]
+) -> dict[str, Any] | None:
+    """`draftline calibrate`'s record for profile `name` (any profile's, the newest, for None)
+    when it was measured on this target, data and drafter. Only a plan from a run's results
+    reads one (an estimate-only plan has no metrics), from logs/calibration/ of the working
+    folder; `metrics["calibration"]`, {profile: record}, replaces the files (tests)."""
+    if not metrics:
+        return None
+    records = metrics.get("calibration")
+    if records is None and metrics.get("paths"):  # metrics read from a checkout's files
+        paths = sorted(calibration.CALIBRATION_DIR.glob("*.json"))
+        records = {p.stem: dict(calibration.read(p) or {}, path=p.as_posix()) for p in paths}
+    wanted = run_identity(params)
+    target_id = (params.get("model") or {}).get("target_id")
+    found = [
+        r
+        for n, r in sorted((records or {}).items())
+        if (name is None or n == name)
+        and usable(r, wanted)
+        and (not target_id or r.get("target_id") in (None, target_id))
+    ]
+    return max(found, key=lambda r: str(r.get("date"))) if found else None
+
+
+def _calibrated(record: dict[str, Any] | None, key: str) -> tuple[float | None, str]:
+    if not record:
+        return None, ""
+    value = (record.get("figures") or {}).get(key)
+    where = record.get("path") or f"{calibration.CALIBRATION_DIR.as_posix()}/<profile>.json"
+    return value, f"measured by calibrate on {record.get('date')} ({where} figures.{key})"
+
+
 def resolve_inputs(
     params: dict[str, Any],
     metrics: dict[str, Any],
@@ -96,6 +134,8 @@ def resolve_inputs(
     curate = metrics.get("curate") if usable(metrics.get("curate"), wanted) else None
     validate = metrics.get("validate") if usable(metrics.get("validate"), wanted) else None
     generated = [m for m in (metrics.get("generate") or {}).values() if usable(m, wanted)]
+    run_profile = (params.get("hardware") or {}).get("name")
+    calibrated = calibration_of(None if run_profile == "auto" else run_profile, params, metrics)
     gen_samples = sum(number_at(m, "samples") or 0 for m in generated)
     gen_tokens = sum(number_at(m, "output_tokens") or 0 for m in generated)
     gen_prompt = sum(number_at(m, "prompt_tokens") or 0 for m in generated)
@@ -142,6 +182,7 @@ def resolve_inputs(
                 f"output_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
+            (*_calibrated(calibrated, "completion_tokens"), "measured"),
             (
                 estimate.get("completion_tokens"),
                 f"conf/data/{data_name}.yaml estimate.completion_tokens",
@@ -173,6 +214,7 @@ def resolve_inputs(
                 f"prompt_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
+            (*_calibrated(calibrated, "prompt_tokens"), "measured"),
             (
                 estimate.get("prompt_tokens"),
                 f"conf/data/{data_name}.yaml estimate.prompt_tokens",
@@ -282,6 +324,23 @@ def profile_throughput(
             f"{where}: {why}{scale_note}",
             low=None if rng[0] is None else float(rng[0]) * scale,
             high=None if rng[1] is None else float(rng[1]) * scale,
+        )
+
+    # Calibrated on this profile: before a run's own measurements, which replace it below.
+    record = calibration_of(name, params, metrics)
+    processes = int(profile.get("processes_per_node") or 1)
+    for stage in ("generate", "extract", "train", "train_online"):
+        value, source = _calibrated(record, f"{stage}_tok_s")
+        if not value:
+            continue
+        part = "extract" if stage == "extract" else "train"
+        world = int((record or {}).get("figures", {}).get(f"{part}_world_size") or 1)
+        if stage != "generate" and processes > world:  # the served engine is the node's
+            value *= processes / world
+            source += f", x{processes / world:g}: {processes} processes, measured on {world}"
+        previous = out.get(stage)
+        out[stage] = Figure(
+            value, source, kind="measured", estimate=previous.value if previous else None
         )
 
     generated = {

@@ -117,6 +117,7 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         print_two_nodes(console, pair)
 
     console.print(_throughput_grid(profiles))
+    _print_calibrated(console, profiles)
     _print_memory(console, plan)
     _print_advice(console, plan)
 
@@ -152,6 +153,48 @@ def _throughput_grid(profiles: list[dict[str, Any]]) -> Any:
             what = f"{p['name']} {key.removesuffix('_tok_s')}"
             grid.add_row(what, f"[bold]{_rate(figure)}[/]", figure["source"])
     return grid
+
+
+CALIBRATED_STAGES = {
+    "generate_tok_s": "generate",
+    "extract_tok_s": "extract",
+    "train_tok_s": "train_offline",
+    "train_online_tok_s": "train_online",
+}
+
+
+def _print_calibrated(console: Any, profiles: list[dict[str, Any]]) -> None:
+    """Each figure `draftline calibrate` measured beside the conf/ estimate it replaces, with
+    the stage's time and cost at each (a stage's time taken as tokens / rate)."""
+    from rich.table import Table
+
+    rows = []
+    for p in profiles:
+        for key, stage in CALIBRATED_STAGES.items():
+            figure = p["throughput"][key]
+            seconds = p["stages"][stage]["seconds"]
+            if not figure["source"].startswith("measured by calibrate") or seconds is None:
+                continue
+            was = figure.get("estimate")
+            before = seconds * figure["value"] / was if was else None
+            change = None if before is None else (seconds - before) / planning.DAY_S
+            dollars = None if change is None else change * 24 * p["price_per_hour"]
+            rows.append((
+                f"{p['name']} {stage.replace('_', ' ')}",
+                "none" if was is None else f"{was:,.0f}",
+                f"{figure['value']:,.0f}",
+                f"{duration(before)} → {duration(seconds)}",
+                "—" if change is None else f"{change:+,.2f} d",
+                "—" if dollars is None else f"{'+' if dollars >= 0 else '-'}${abs(dollars):,.0f}",
+            ))  # fmt: skip
+    if not rows:
+        return
+    table = Table(title="Calibrated (tok/s: conf/ estimate vs measured)", title_justify="left")
+    for name in ("stage", "estimate", "measured", "time", "Δ days", "Δ $"):
+        table.add_column(name, justify="left" if name == "stage" else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 def generation_line(plan: dict[str, Any]) -> str:

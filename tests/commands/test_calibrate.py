@@ -1,0 +1,72 @@
+"""`draftline calibrate` on a copy of the embedded default after `dvc repro curate` (the local
+engine): it leaves `dvc status` and git as they were, `draftline plan` then shows the cpu
+profile's figures as measured, and a kill mid-calibration leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.embedded_run import BIN, ENV, copy_project, run
+
+
+@pytest.fixture(scope="module")
+def curated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = copy_project(tmp_path_factory.mktemp("calibrate") / "repo")
+    run(["dvc", "repro", "curate"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "curate"], repo)
+    return repo
+
+
+def state(repo: Path) -> tuple[str, str, list[str]]:
+    """git status, dvc status and the working state (.draftline/) of the project."""
+    git = run(["git", "status", "--porcelain", "--ignored"], repo).stdout
+    dvc = run(["dvc", "status"], repo).stdout
+    working = sorted(p.relative_to(repo).as_posix() for p in (repo / ".draftline").rglob("*"))
+    return git, dvc, working
+
+
+def without_logs(git_status: str) -> str:
+    """git status less the ignored logs/ folder (calibrate writes there, git ignores it)."""
+    return "\n".join(line for line in git_status.splitlines() if not line.endswith("logs/"))
+
+
+def test_calibrate_changes_nothing_dvc_or_git_see_and_plan_shows_it(curated: Path) -> None:
+    before = state(curated)
+    done = run(["draftline", "calibrate", "--minutes", "0.2", "--no-progress"], curated)
+    assert "calibrate: wrote logs/calibration/cpu.json" in done.stdout, done.stdout
+    after = state(curated)
+    assert without_logs(after[0]) == without_logs(before[0])
+    assert after[1:] == before[1:]
+    record = json.loads((curated / "logs/calibration/cpu.json").read_text())
+    assert record["hardware_profile"] == "cpu" and record["engine"].startswith("local:")
+    assert {"generate_tok_s", "extract_tok_s", "train_tok_s"} <= record["figures"].keys()
+
+    plan = run(["draftline", "plan", "--json", "--no-memory"], curated).stdout
+    cpu = json.loads(plan)["profiles"]["cpu"]["throughput"]
+    for key in ("generate_tok_s", "extract_tok_s", "train_tok_s"):
+        assert cpu[key]["kind"] == "measured", cpu[key]
+        assert cpu[key]["source"].startswith("measured by calibrate on "), cpu[key]
+    table = run(["draftline", "plan", "--no-memory"], curated).stdout
+    assert "Calibrated (tok/s: conf/ estimate vs measured)" in table
+
+
+def test_a_kill_mid_calibration_leaves_nothing_behind(curated: Path) -> None:
+    (curated / "logs/calibration/cpu.json").unlink(missing_ok=True)
+    before = state(curated)
+    proc = subprocess.Popen(
+        [str(BIN / "draftline"), "calibrate", "--minutes", "5", "--no-progress"],
+        cwd=curated, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:  # killed once the engine is generating
+        if "engine" in line and "ready" in line:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not list((curated / "logs").glob("calibration/*")), "a kill left a calibration"
+    assert state(curated) == before
