@@ -102,3 +102,17 @@ def test_plan_prints_estimate_beside_measured(composed: dict) -> None:
     assert "Calibrated (tok/s: conf/ estimate vs measured)" in text
     assert "b200x8 generate" in text and "Δ days" in text
     json.dumps(plan)  # still JSON
+
+
+def test_the_plans_turns_and_prefill_come_from_the_calibration(composed: dict) -> None:
+    """The turns per conversation and every turn's prompt that calibrate measured replace the
+    data profile's estimates (the generate run logs of a real run would still come first)."""
+    cal = record(composed, turns=2.5, turn_prompt_tokens=40.0, prompt_tokens=30.0)
+    metrics = {"calibration": {"cpu": cal}, "curate": {}}
+    inputs = resolve_inputs(composed, metrics)
+    gen = planning.generation_work(composed, metrics, inputs)
+    assert gen.turns.value == 2.5 and gen.turns.measured
+    assert gen.turns.source.startswith("measured by calibrate on 2026-01-02")
+    assert gen.prefill_tokens.value == 2.5 * 40.0 and gen.prefill_tokens.measured
+    estimated = planning.generation_work(composed, {"curate": {}}, inputs)
+    assert not estimated.turns.measured

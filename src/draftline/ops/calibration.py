@@ -486,6 +486,7 @@ def plan_figures(parts: dict[str, Any]) -> dict[str, Any]:
         "completion_tokens": (gen.get("completion_tokens") or {}).get("mean"),
         "prompt_tokens": (gen.get("first_prompt_tokens") or {}).get("mean"),
         "turns": (gen.get("turns_per_conversation") or {}).get("mean"),
+        "turn_prompt_tokens": (gen.get("turn_prompt_tokens") or {}).get("mean"),
     }
     key = "train_online_tok_s" if tr.get("features") == "online" else "train_tok_s"
     figures[key] = tr.get("tokens_per_s")

@@ -107,7 +107,8 @@ def calibration_of(
     return max(found, key=lambda r: str(r.get("date"))) if found else None
 
 
-def _calibrated(record: dict[str, Any] | None, key: str) -> tuple[float | None, str]:
+def calibrated_figure(record: dict[str, Any] | None, key: str) -> tuple[float | None, str]:
+    """A figure of a calibration record and its source text ((None, '') when it has none)."""
     if not record:
         return None, ""
     value = (record.get("figures") or {}).get(key)
@@ -182,7 +183,7 @@ def resolve_inputs(
                 f"output_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
-            (*_calibrated(calibrated, "completion_tokens"), "measured"),
+            (*calibrated_figure(calibrated, "completion_tokens"), "measured"),
             (
                 estimate.get("completion_tokens"),
                 f"conf/data/{data_name}.yaml estimate.completion_tokens",
@@ -214,7 +215,7 @@ def resolve_inputs(
                 f"prompt_tokens / samples over {len(generated)} generate run logs",
                 "measured",
             ),
-            (*_calibrated(calibrated, "prompt_tokens"), "measured"),
+            (*calibrated_figure(calibrated, "prompt_tokens"), "measured"),
             (
                 estimate.get("prompt_tokens"),
                 f"conf/data/{data_name}.yaml estimate.prompt_tokens",
@@ -330,7 +331,7 @@ def profile_throughput(
     record = calibration_of(name, params, metrics)
     processes = int(profile.get("processes_per_node") or 1)
     for stage in ("generate", "extract", "train", "train_online"):
-        value, source = _calibrated(record, f"{stage}_tok_s")
+        value, source = calibrated_figure(record, f"{stage}_tok_s")
         if not value:
             continue
         part = "extract" if stage == "extract" else "train"

@@ -21,6 +21,8 @@ from draftline.ops.plan_figures import (
     TB,
     Figure,
     Inputs,
+    calibrated_figure,
+    calibration_of,
     figure_precision,
     metrics_path,
     profile_throughput,
@@ -79,22 +81,32 @@ def generation_work(params: dict[str, Any], metrics: dict[str, Any], inputs: Inp
         return sum(v for v, _ in values) / sum(n for _, n in values)  # type: ignore[misc]
 
     last_only = str(data.get("regenerate_turns", "all")) == "last"
+    run_profile = (params.get("hardware") or {}).get("name")
+    record = calibration_of(None if run_profile == "auto" else run_profile, params, metrics)
+    calibrated_turns, turns_source = calibrated_figure(record, "turns")
     if last_only:
         turns = Figure(1.0, "data.regenerate_turns: last (the final turn only)", kind="derived")
     elif (value := measured("turns")) is not None:
         where_measured = f"turns / samples over {len(logs)} generate run logs"
         turns = Figure(value, where_measured, kind="measured")
+    elif calibrated_turns:
+        turns = Figure(float(calibrated_turns), turns_source, kind="measured")
     elif estimate.get("turns"):
         turns = Figure(float(estimate["turns"]), f"{where}.turns")
     else:
         turns = Figure(1.0, f"one turn per conversation (no {where}.turns)")
     t, first = turns.value or 1.0, inputs.prompt_tokens.value or 0.0
     history = float(estimate.get("history_tokens") or 0.0)
+    turn_prompt, turn_prompt_source = calibrated_figure(record, "turn_prompt_tokens")
     if (value := measured("turn_prompt_tokens")) is not None and not last_only:
         prefill = Figure(
             value,
             f"every turn's prompt / samples over {len(logs)} generate run logs",
             "measured",
+        )
+    elif turn_prompt and calibrated_turns and not last_only:
+        prefill = Figure(
+            t * float(turn_prompt), f"turns x mean turn prompt, {turn_prompt_source}", "measured"
         )
     elif last_only or t <= 1:
         prefill = Figure(first, "one prompt per conversation", kind="derived")
