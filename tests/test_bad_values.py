@@ -242,6 +242,7 @@ def test_plain_json_in_the_committed_targets(tiny_target_dir: Path) -> None:
 
 
 def test_extract_checks_free_space_first_and_names_online_features(tmp_path: Path, monkeypatch):
+    from draftline.core.training_rows import SequenceSpan
     from draftline.drafter import extraction
     from draftline.runtime import disk_space
 
@@ -249,7 +250,7 @@ def test_extract_checks_free_space_first_and_names_online_features(tmp_path: Pat
         disk_space.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 0, 10**9)
     )
     pack = extraction.PackPlan(index=0, shard_file=tmp_path / "s.parquet", sequences=[
-        extraction.PlannedSequence(id="a", row=0, num_tokens=100_000)
+        extraction.PlannedSequence(id="a", row=0, span=SequenceSpan(None, 0, 100_000, 0, 100_000))
     ])  # fmt: skip
     settings = extraction.ExtractSettings(
         features="offline", max_length=4096, target_layer_ids=[1, 16, 31, 46, 61],

@@ -79,9 +79,9 @@ def test_the_last_stage_follows_the_chain_even_beside_an_old_whole_run_extractio
         data=str(data), chain=str(tmp_path / "chain"), shard=None,
         curate_summary=str(tmp_path / "summary.json"),
     )  # fmt: skip
-    folders, segment = _segment(args, [0, 1])
+    folders, segment = _segment(args, {"data": {"shard_ids": [0, 1]}})
     assert segment.after_chain and folders == [data / "shard-0", data / "shard-1"]
     assert segment.start_from == tmp_path / "chain" / "shard-1"
     (data / "shard-0").rmdir()  # a single extraction folder alone: a whole run in one go
-    folders, segment = _segment(args, [0, 1])
+    folders, segment = _segment(args, {"data": {"shard_ids": [0, 1]}})
     assert folders == [data] and not segment.after_chain and segment.link is None
