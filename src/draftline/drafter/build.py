@@ -169,11 +169,9 @@ def mask_token_id(model: dict[str, Any]) -> int:
     return special_token_id(load_tokenizer(model), str(model["mask_token"]))
 
 
-def build_drafter(
-    model: dict[str, Any], hp: Hyperparameters, head: TargetHead | None = None
-) -> DFlashDrafter:
-    """A freshly initialised drafter for the target, seeded by `drafter.seed`."""
-    config = DFlashConfig.from_target(
+def drafter_config(model: dict[str, Any], hp: Hyperparameters) -> DFlashConfig:
+    """The drafter's shape for the target under `drafter` params."""
+    return DFlashConfig.from_target(
         target_config(model),
         num_hidden_layers=hp.num_hidden_layers,
         block_size=hp.block_size,
@@ -182,5 +180,12 @@ def build_drafter(
         dflash2=hp.dflash2,
         **hp.shape(),
     )
+
+
+def build_drafter(
+    model: dict[str, Any], hp: Hyperparameters, head: TargetHead | None = None
+) -> DFlashDrafter:
+    """A freshly initialised drafter for the target, seeded by `drafter.seed`."""
+    config = drafter_config(model, hp)
     torch.manual_seed(hp.seed)
     return DFlashDrafter(config, head if head is not None else load_target_head(model))

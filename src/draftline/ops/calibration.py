@@ -428,8 +428,8 @@ def measure_training(
     """The training step as configured (features, family, block, anchors, layout, precision,
     micro-batch), on a micro-batch drawn across the measured lengths."""
     from draftline.core.target import load_model
-    from draftline.drafter.build import Hyperparameters, mask_token_id, target_config
-    from draftline.drafter.dflash import DFlashConfig, TargetHead
+    from draftline.drafter.build import Hyperparameters, drafter_config
+    from draftline.drafter.dflash import TargetHead
     from draftline.drafter.sharding import Layout
     from draftline.ops import calibration_parts as parts
     from draftline.runtime import distributed
@@ -444,15 +444,7 @@ def measure_training(
     # Spread over the sorted lengths: a micro-batch of the distribution, not of its tail.
     lengths = [len(rows[round(i * (len(rows) - 1) / max(1, micro - 1))]) for i in range(micro)]
     model_cfg = p["model"]
-    config = DFlashConfig.from_target(
-        target_config(model_cfg),
-        num_hidden_layers=hp.num_hidden_layers,
-        block_size=hp.block_size,
-        mask_token_id=mask_token_id(model_cfg),
-        target_layer_ids=[int(i) for i in model_cfg["target_layer_ids"]],
-        dflash2=hp.dflash2,
-        **hp.shape(),
-    )
+    config = drafter_config(model_cfg, hp)
     model = load_model(model_cfg, device=str(device), dtype=execution.precision)
     head = TargetHead.from_model(model)
     head = TargetHead(head.embed_weight.clone(), head.lm_head_weight.clone())  # kept whole
