@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from draftline.ops import run_claim
-from draftline.ops.retrying import DEFAULT_BUDGET_S, is_final, run_retrying
+from draftline.ops.retrying import DEFAULT_BUDGET_S, run_retrying
 
 LOCK = "dvc.lock"
 EVENTS = Path("logs/runs/two_nodes")  # per node: which stage ran when (JSON lines, untracked)
@@ -262,7 +262,7 @@ def _fetch(node: Node) -> str | None:
     )  # fmt: skip
     if done.returncode == 0:
         return ref
-    if is_final(done.stderr) and "couldn't find remote ref" in done.stderr:
+    if "couldn't find remote ref" in done.stderr:
         return None  # the generator has not pushed yet
     raise StageFailed(f"cannot read {node.generate_branch}: {done.stderr.strip()[-500:]}")
 
