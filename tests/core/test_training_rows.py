@@ -71,6 +71,19 @@ def test_rows_without_turn_columns_are_one_sequence_in_either_layout():
     assert row_sequences(row, "turn", 4096) == row_sequences(row, "conversation", 4096)
 
 
+def test_rows_without_turn_columns_count_their_earlier_answers_in_either_layout():
+    # Extract masks the earlier answers of such a row whatever the layout: the yield says so.
+    row = {"id": "x", "num_prompt_tokens": 80, "num_completion_tokens": 30,
+           "finish_reason": "stop", "history_spans": [[10, 25], [40, 60]]}  # fmt: skip
+    for layout in ("turn", "conversation"):
+        y = Yield()
+        y.add_row(row, layout, 4096)
+        assert (y.generated, y.supervised, y.share) == (65, 65, 1.0), layout
+    cut = Yield()
+    cut.add_row(row, "turn", 70)  # window [40, 110): the first answer cut, the second kept
+    assert (cut.generated, cut.supervised) == (65, 30 + 20)
+
+
 def test_an_unknown_layout_names_the_key():
     with pytest.raises(ValueError, match="extract.rows"):
         row_sequences(conversation([(1, 1, "stop")]), "turns", 10)

@@ -113,10 +113,14 @@ def row_sequences(row: Mapping[str, Any], layout: str, max_length: int) -> list[
 
 
 def generated_tokens(row: Mapping[str, Any]) -> int:
-    """Tokens the target wrote for the row: every turn's completion, reasoning included."""
+    """Tokens the target wrote for the row: every turn's completion, reasoning included. A row
+    written before the turn columns records only its last completion and the earlier answers
+    as the prompt shows them (`history_spans`): their sum, a lower bound (the earlier turns'
+    reasoning went unrecorded)."""
     if has_turns(row):
         return sum(int(n) for n in row["turn_completion_tokens"])
-    return int(row["num_completion_tokens"] or 0)
+    shown = sum(end - start for start, end in row.get("history_spans") or ())
+    return int(row["num_completion_tokens"] or 0) + shown
 
 
 def supervised_tokens(seq: SequenceSpan, history_spans: Sequence[Sequence[int]] = ()) -> int:
@@ -150,7 +154,10 @@ class Yield:
 
     def add_row(self, row: Mapping[str, Any], layout: str, max_length: int) -> list[SequenceSpan]:
         seqs = row_sequences(row, layout, max_length)
-        spans = row.get("history_spans") if layout == "conversation" else ()
+        # The earlier answers count where the row is one whole-conversation sequence: the
+        # `conversation` layout, or a row written before the turn columns (either layout).
+        whole = layout == "conversation" or not has_turns(row)
+        spans = row.get("history_spans") if whole else ()
         self.rows += 1
         self.generated += generated_tokens(row)
         for seq in seqs:
