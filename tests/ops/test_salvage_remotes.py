@@ -12,29 +12,16 @@ import json
 import random
 import string
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 from helpers.s3_server import S3Server
-from helpers.tiny_pipeline import base_env, clone_node, make_origin, run, salvage
+from helpers.tiny_pipeline import clone_node, make_origin, run, salvage
 
 
 def _random(n: int) -> str:
     rng = random.SystemRandom()
     return "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(n))
-
-
-@pytest.fixture
-def bucket(server: S3Server) -> str:
-    name = f"remotes-{uuid.uuid4().hex[:12]}"
-    server.create_bucket(name)
-    return name
-
-
-@pytest.fixture
-def env(tmp_path: Path, server: S3Server) -> dict[str, str]:
-    return base_env(tmp_path, server)
 
 
 @pytest.fixture
