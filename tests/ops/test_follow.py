@@ -1,7 +1,8 @@
-"""`draftline lead` and `draftline follow` on a stand-in pipeline: the real stage names and DAG
-shape (curate, generate@k, generate_eval, validate_shard@k, extract@k, train_shard@k, validate,
-train, evaluate) with trivial commands, so the two-node protocol (real git origin, real DVC,
-moto's S3 server as the remote) runs in seconds. The real stages are in test_two_nodes.py.
+"""`draftline lead` and `draftline follow` on a stand-in pipeline: the real dvc.yaml's stages
+(curate, generate@k, generate_eval, validate, validate_shard@k, extract@k, train_shard@k, train,
+evaluate: names, order and which run per shard read from it by `pipeline_shape`) with trivial
+commands and files, so the two-node protocol (real git origin, real DVC, moto's S3 server as the
+remote) runs in seconds. The real stages are in test_two_nodes.py.
 The stand-in's generation refuses to run on the training node (a marker file there), so a
 follower that ever generated would fail. Both nodes clone a commit whose dvc.lock lists every
 stage from an earlier run on other data, as a clone of main does."""
@@ -21,6 +22,8 @@ from pathlib import Path
 import yaml
 from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, clone_node, run
+
+from draftline.runtime import pipeline_shape
 
 SHARDS = 3
 
@@ -62,72 +65,57 @@ elif stage == "evaluate":
     write("metrics/evaluate.json", '{{"tau": 2.0}}\\n')
 """
 
-DVC_YAML = """\
-stages:
-  curate:
-    cmd: python step.py curate
-    deps: [step.py, source.txt]
-    params: [data.num_shards]
-    outs:
-      - data/curated
-      - reports/curate.json:
-          cache: false
-  generate:
-    foreach: ${data.shard_ids}
-    do:
-      cmd: python step.py generate ${item}
-      deps:
-        - step.py
-        - data/curated/shard-${item}.txt
-      outs:
-        - data/generated/shard-${item}.txt
-  generate_eval:
-    cmd: python step.py generate_eval
-    deps: [step.py, data/curated]
-    outs: [data/generated/eval.txt]
-  validate_shard:
-    foreach: ${data.shard_ids}
-    do:
-      cmd: python step.py validate_shard ${item}
-      deps:
-        - step.py
-        - data/generated/shard-${item}.txt
-      outs:
-        - data/validated/shard-${item}.txt
-  extract:
-    foreach: ${data.shard_ids}
-    do:
-      cmd: python step.py extract ${item}
-      deps:
-        - step.py
-        - data/generated/shard-${item}.txt
-        - data/validated/shard-${item}.txt
-      outs:
-        - data/extracted/shard-${item}.txt
-  train_shard:
-    foreach: ${data.shard_ids}
-    do:
-      cmd: python step.py train_shard ${item}
-      deps:
-        - step.py
-        - data/extracted/shard-${item}.txt
-      outs:
-        - models/chain/shard-${item}.txt
-  validate:
-    cmd: python step.py validate
-    deps: [step.py, data/generated]
-    outs: [data/validated/all.txt]
-  train:
-    cmd: python step.py train
-    deps: [step.py, models/chain, data/validated/all.txt]
-    outs: [models/drafter.txt]
-  evaluate:
-    cmd: python step.py evaluate
-    deps: [step.py, models/drafter.txt]
-    outs:
-      - metrics/evaluate.json:
-          cache: false
-"""
+# What each stand-in stage reads and writes (`${item}`: its shard), beside step.py. The stage
+# names, their order and which run once per shard are the real dvc.yaml's (`pipeline_shape`).
+STAND_IN: dict[str, dict[str, list]] = {
+    "curate": {
+        "deps": ["source.txt"],
+        "params": ["data.num_shards"],
+        "outs": ["data/curated", {"reports/curate.json": {"cache": False}}],
+    },
+    "generate": {
+        "deps": ["data/curated/shard-${item}.txt"],
+        "outs": ["data/generated/shard-${item}.txt"],
+    },
+    "generate_eval": {"deps": ["data/curated"], "outs": ["data/generated/eval.txt"]},
+    "validate": {"deps": ["data/generated"], "outs": ["data/validated/all.txt"]},
+    "validate_shard": {
+        "deps": ["data/generated/shard-${item}.txt"],
+        "outs": ["data/validated/shard-${item}.txt"],
+    },
+    "extract": {
+        "deps": ["data/generated/shard-${item}.txt", "data/validated/shard-${item}.txt"],
+        "outs": ["data/extracted/shard-${item}.txt"],
+    },
+    "train_shard": {
+        "deps": ["data/extracted/shard-${item}.txt"],
+        "outs": ["models/chain/shard-${item}.txt"],
+    },
+    "train": {"deps": ["models/chain", "data/validated/all.txt"], "outs": ["models/drafter.txt"]},
+    "evaluate": {
+        "deps": ["models/drafter.txt"],
+        "outs": [{"metrics/evaluate.json": {"cache": False}}],
+    },
+}
+
+
+def stand_in_pipeline() -> str:
+    """The stand-in's dvc.yaml: the real pipeline's stages, in its order, each a step.py call."""
+    shape = pipeline_shape.read()
+    assert set(STAND_IN) == set(shape.names), "give every stage of dvc.yaml a stand-in here"
+    stages: dict[str, dict] = {}
+    for stage in shape.stages:
+        item = " ${item}" if stage.per_shard else ""
+        spec = STAND_IN[stage.name]
+        body = {
+            "cmd": f"python step.py {stage.name}{item}",
+            **spec,
+            "deps": ["step.py", *spec["deps"]],
+        }
+        stages[stage.name] = (
+            {"foreach": "${data.shard_ids}", "do": body} if stage.per_shard else body
+        )
+    return yaml.safe_dump({"stages": stages}, sort_keys=False)
 
 
 def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
@@ -139,7 +127,7 @@ def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
     root = Path(__file__).resolve().parents[2]
     (work / ".dvc" / "config").write_text((root / ".dvc" / "config").read_text())
     (work / "step.py").write_text(STEP.format(shards=SHARDS))
-    (work / "dvc.yaml").write_text(DVC_YAML)
+    (work / "dvc.yaml").write_text(stand_in_pipeline())
     (work / "source.txt").write_text("old earlier data\n")
     params = {
         "data": {"num_shards": SHARDS, "shard_ids": list(range(SHARDS))},

@@ -2,7 +2,8 @@
 arrives (`draftline follow`), through the DVC remote and a shared git origin.
 
 Who owns what: the generating node runs curate, generate@K and generate_eval; the training
-node runs every other stage and never generation (it waits). Each stage is run with DVC
+node runs every other stage and never generation (it waits). Both read which is which, and in
+what order, from their dvc.yaml (`runtime.pipeline_shape`). Each stage is run with DVC
 (`dvc repro --single-item`), so `dvc.lock` records it as a sequential `dvc repro` would.
 
 How they never fight over git: each node commits to its own branch of the origin,
@@ -38,6 +39,7 @@ import yaml
 
 from draftline.ops import run_claim
 from draftline.ops.retrying import DEFAULT_BUDGET_S, run_retrying
+from draftline.runtime import pipeline_shape
 
 LOCK = "dvc.lock"
 EVENTS = Path("logs/runs/two_nodes")  # per node: which stage ran when (JSON lines, untracked)
@@ -56,19 +58,6 @@ def run(root: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProces
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
         raise StageFailed(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{tail}")
     return done
-
-
-def generation_stages(shard_ids: Iterable[int]) -> list[str]:
-    """The generating node's stages, in the order it runs them."""
-    return ["curate", *(f"generate@{k}" for k in shard_ids), "generate_eval"]
-
-
-def shard_stages(shard: int) -> list[str]:
-    """The training node's stages for one shard, in order."""
-    return [f"validate_shard@{shard}", f"extract@{shard}", f"train_shard@{shard}"]
-
-
-FINAL_STAGES = ["validate", "train", "evaluate"]
 
 
 def uncached_outs(root: Path, stages: Iterable[str]) -> list[str]:
@@ -108,6 +97,11 @@ class Node:
     @property
     def train_branch(self) -> str:
         return f"train/{self.run_name}"
+
+    @property
+    def shape(self) -> pipeline_shape.PipelineShape:
+        """The stages of this clone's dvc.yaml, which node runs which, in what order."""
+        return pipeline_shape.read(self.root / "dvc.yaml")
 
     def say(self, text: str) -> None:
         self.out(f"[{datetime.now(UTC):%H:%M:%S}] {text}")
@@ -173,7 +167,7 @@ def lead(node: Node, shard_ids: list[int]) -> int:
     ran: list[str] = []
     write_record(node, ran)
     node.publish([], node.generate_branch, f"lead started ({node.run_name})", extra=(RECORD,))
-    for name in generation_stages(shard_ids):
+    for name in node.shape.generation_stages(shard_ids):
         node.stage(name)
         ran.append(name)
         write_record(node, ran)
@@ -212,7 +206,8 @@ def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0, take_over: bo
     checkpoint. Never runs a generation stage: it waits for it, saying what for."""
     node.role = "train"
     node.say(run_claim.claim(node.root, node.remote, node.run_name, take_over=take_over))
-    wanted = generation_stages(shard_ids)
+    shape = node.shape
+    wanted = shape.generation_stages(shard_ids)
     adopted: set[str] = set()
     position = 0  # index of the next shard whose stages run here
     last_wait = ""
@@ -226,24 +221,28 @@ def follow(node: Node, shard_ids: list[int], poll_s: float = 30.0, take_over: bo
             if new:
                 adopt(node, ref, lock, new)
                 adopted.update(new)
-        while position < len(shard_ids) and {"curate", f"generate@{shard_ids[position]}"} <= (
+        while position < len(shard_ids) and set(shape.generated_for(shard_ids[position])) <= (
             adopted
         ):
             shard = shard_ids[position]
-            for name in shard_stages(shard):
+            for name in shape.shard_stages(shard):
                 node.stage(name)
-            node.publish(shard_stages(shard), node.train_branch, f"shard {shard}: trained its link")
+            node.publish(
+                shape.shard_stages(shard), node.train_branch, f"shard {shard}: trained its link"
+            )
             position += 1
         if position == len(shard_ids) and set(wanted) <= adopted:
-            for name in FINAL_STAGES:
+            for name in shape.final_stages:
                 node.stage(name)
-            node.publish(FINAL_STAGES, node.train_branch, "the drafter: trained and evaluated")
+            node.publish(
+                shape.final_stages, node.train_branch, "the drafter: trained and evaluated"
+            )
             merge_generation(node, ref)
             node.say(f"done: the whole run is on {node.train_branch}")
             return 0
         waiting = next(s for s in wanted if s not in adopted)
         if waiting != last_wait:
-            arrived = sum(1 for k in shard_ids if f"generate@{k}" in adopted)
+            arrived = sum(1 for k in shard_ids if f"{pipeline_shape.GENERATE}@{k}" in adopted)
             node.say(
                 f"waiting for {waiting} from {node.generate_branch} ({arrived} of "
                 f"{len(shard_ids)} shards in; looking every {poll_s:g} s)"
@@ -310,7 +309,9 @@ def adopt(node: Node, ref: str, lock: dict[str, Any], names: list[str]) -> None:
     if tracked:
         run(node.root, "git", "checkout", ref, "--", *tracked)
     node.remote_call("dvc", "pull", "-q", *names)
-    checkable = [n for n in names if n != "curate"]  # curate's raw sources may live only there
+    # What generation depends on (curate) reads raw sources that may live only on that node.
+    upstream = {s.name for s in node.shape.before_generation}
+    checkable = [n for n in names if n not in upstream]
     if checkable:
         status = json.loads(
             run(node.root, "dvc", "status", "--json", *checkable).stdout.strip() or "{}"

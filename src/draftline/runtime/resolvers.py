@@ -12,6 +12,7 @@ from __future__ import annotations
 from omegaconf import ListConfig, OmegaConf
 
 from draftline.core.target import target_id
+from draftline.runtime import pipeline_shape
 
 
 def shard_ids(num_shards: int) -> ListConfig:
@@ -21,13 +22,9 @@ def shard_ids(num_shards: int) -> ListConfig:
 
 
 def chain_links(num_shards: int) -> list[dict[str, int | str]]:
-    """The chain of training links (dvc.yaml `train_shard`): shard k and the file its link
-    starts after, link k-1's state, or for shard 0 curate's summary (the planned rows). DVC's
-    foreach cannot compute k-1, so the list carries it."""
-    return [
-        {"shard": k, "after": f"models/chain/shard-{k - 1}" if k else "data/curated/summary.json"}
-        for k in range(int(num_shards))
-    ]
+    """The chain of training links over shards 0..num_shards-1, as dvc.yaml's link stage
+    describes it (`pipeline_shape.PipelineShape.chain_links`)."""
+    return pipeline_shape.read().chain_links(range(int(num_shards)))
 
 
 def shard_chain(num_shards: int) -> ListConfig:

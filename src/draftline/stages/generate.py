@@ -11,11 +11,12 @@ tokens (the weights' id computed now, the engine and what it serves, template, s
 stays until DVC has recorded the table it wrote (each run removes those of recorded tables).
 
 Work-ahead (`hardware.work_ahead_shards`, on in the GPU profiles): a train shard stage with turns
-left streams its shard together with the next N shards of `data.shard_ids` (dvc.yaml's order)
-that still need generating, into their own journals, so no shard end leaves the engine idle; the
-following stages then find their journals complete and only write their tables. How generation
-is scheduled is a hardware setting, never a stage param: the outputs are the same bytes either
-way (`hardware.generation_schedule: rounds` runs the old schedule, for comparisons).
+left streams its shard together with the next N shards in the order of dvc.yaml's generate
+stages (`runtime.pipeline_shape`) that still need generating, into their own journals, so no
+shard end leaves the engine idle; the following stages then find their journals complete and
+only write their tables. How generation is scheduled is a hardware setting, never a stage param:
+the outputs are the same bytes either way (`hardware.generation_schedule: rounds` runs the old
+schedule, for comparisons).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from draftline.generation.table_record import (
     release_recorded,
 )
 from draftline.quality.checks import thinking_enabled
-from draftline.runtime import disk_space, hardware, params, run_log
+from draftline.runtime import disk_space, hardware, params, pipeline_shape, run_log
 
 CURATE_SUMMARY = "summary.json"  # curate's, beside its tables (stages/curate.py CURATE_SUMMARY)
 
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         """The following shards to work ahead on (asked only when this shard has turns left)."""
         if args.eval or not work_ahead:
             return []
-        ids = [int(i) for i in p["data"]["shard_ids"]]
+        ids = pipeline_shape.read().generate_order(p)
         wanted = stream_shards(
             args.shard, ids, work_ahead, lambda s: needs_generating(shard_paths(s), identity)
         )
