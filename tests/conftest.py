@@ -96,17 +96,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Whether the session's run of the embedded default trains the committed schedule: only
-    when a selected test compares it with the committed run (tests/helpers/embedded_run.py).
-    Each xdist worker collects the same selection, so every worker decides the same."""
-    # Imported here: helpers.embedded_run copies os.environ as this module leaves it.
-    from helpers.embedded_run import COMMITTED_SCHEDULE, COMMITTED_SCHEDULE_SELECTED
-
-    selected = any(item.get_closest_marker(COMMITTED_SCHEDULE) for item in session.items)
-    session.config.stash[COMMITTED_SCHEDULE_SELECTED] = selected
-
-
 @pytest.fixture
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A HOME of its own and no AWS settings from this machine, so credential lookups (DVC's

@@ -20,6 +20,7 @@ from helpers.embedded_run import (
     ENV,
     ROOT,
     SharedRun,
+    committed_schedule,
     copy_project,
     copy_run,
     embedded_default,
@@ -42,21 +43,26 @@ ALL_STAGES = {
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory, pytestconfig) -> tuple[Path, str]:
-    shared = embedded_default(tmp_path_factory, pytestconfig)
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    shared = embedded_default(tmp_path_factory)
     return shared.repo, shared.stdout
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory, pytestconfig) -> SharedRun:
-    return embedded_default(tmp_path_factory, pytestconfig)
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    return embedded_default(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def committed_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    return committed_schedule(tmp_path_factory)
 
 
 @EMBEDDED
 def test_repro_runs_every_stage_and_a_second_run_does_nothing(finished):
     """Slow for the first embedded test (minutes): the session's one `dvc repro` of the
-    embedded default, which the other tests here and in test_salvage_experiments read (2
-    epochs, or the committed 20 when the session compares tau with the committed run)."""
+    embedded default (2 epochs), which the other tests here and in test_salvage_experiments
+    read."""
     repo, out = finished
     assert set(ran_stages(out)) == ALL_STAGES
     verdict = json.loads((repo / "metrics/validate.json").read_text())
@@ -343,16 +349,15 @@ def test_the_data_stages_give_the_committed_bytes(finished_run):
 @EMBEDDED
 @pytest.mark.float_kernels
 @pytest.mark.slow
-@pytest.mark.committed_schedule
-def test_another_processor_gives_tau_within_the_bound(finished_run):
-    """The committed schedule's tau (metrics/evaluate.json) within TAU_BOUND of this session's,
-    whose run then trains the committed 20 epochs (marker `committed_schedule`): minutes of
-    training, so in `.ci/run`'s float-kernel step (under generic kernels, the other-processor
-    case) or `pytest -m slow`, not in the README's test command."""
-    params = yaml.safe_load((finished_run.repo / "params.yaml").read_text())
+def test_another_processor_gives_tau_within_the_bound(committed_run):
+    """The committed schedule's tau (metrics/evaluate.json) within TAU_BOUND of this session's
+    run on the same schedule (the committed 20 epochs, trained over the 2-epoch run's data
+    stages): minutes of training, so in `.ci/run`'s float-kernel step (under generic kernels,
+    the other-processor case) or `pytest -m slow`, not in the README's test command."""
+    params = yaml.safe_load((committed_run.repo / "params.yaml").read_text())
     assert params["drafter"] == yaml.safe_load((ROOT / "params.yaml").read_text())["drafter"]
     tau = json.loads((ROOT / "metrics/evaluate.json").read_text())["tau"]
-    here = json.loads((finished_run.repo / "metrics/evaluate.json").read_text())["tau"]
+    here = json.loads((committed_run.repo / "metrics/evaluate.json").read_text())["tau"]
     assert abs(here - tau) <= TAU_BOUND, (tau, here)
 
 

@@ -89,19 +89,27 @@ def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shared_run(
-    tmp_path_factory: pytest.TempPathFactory, name: str, prepare: Callable[[Path], None]
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    prepare: Callable[[Path], None],
+    base: Callable[[], SharedRun] | None = None,
 ) -> SharedRun:
-    """`dvc repro` in a copy of this project, once per session across workers.
+    """`dvc repro` in a copy of this project (or of the run `base` gives, its DVC cache
+    included, so only what `prepare` changes runs again), once per session across workers.
 
     `prepare` composes what the run needs before it starts. A failed run is recorded too, so
     every test that needs it fails with the run's own output instead of running it again.
     """
     root = session_root(tmp_path_factory)
+    source = base() if base else None  # before this run's lock: the base takes its own
     repo, record = root / name, root / f"{name}.json"
     with FileLock(str(root / f"{name}.lock")):
         if not record.exists():
             shutil.rmtree(repo, ignore_errors=True)
-            copy_project(repo)
+            if source:
+                copy_run(source, repo)
+            else:
+                copy_project(repo)
             prepare(repo)
             done = run(["dvc", "repro"], repo, check=False)
             result = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
@@ -124,23 +132,19 @@ def copy_run(run_: SharedRun, dest: Path) -> Path:
     return dest
 
 
-# The marker of the tests that compare the session's run with the committed one (the whole
-# schedule's tau): when one is selected, the shared run trains the committed schedule.
-COMMITTED_SCHEDULE = "committed_schedule"
-COMMITTED_SCHEDULE_SELECTED = pytest.StashKey[bool]()
-# Otherwise it trains 2 epochs, not the committed 20: the first shard by shard in the links, the
-# second over every shard in the last stage. Every stage runs the same code either way, the data
-# stages' outputs are the committed ones byte for byte (no drafter setting reaches them), and the
-# last stage trains 19 steps instead of 343: most of the run's minutes.
+# The session's run of the embedded default trains 2 epochs, not the committed 20: the first
+# shard by shard in the links, the second over every shard in the last stage. Every stage runs
+# the same code either way, the data stages' outputs are the committed ones byte for byte (no
+# drafter setting reaches them), and the last stage trains 19 steps instead of 343: most of the
+# run's minutes.
 SHORT_EPOCHS = 2
+SHORT_COMMIT = f"embedded default: {SHORT_EPOCHS} epochs"
 
 
-def embedded_default(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> SharedRun:
-    """The embedded default as `dvc repro` runs it from a fresh clone: committed params.yaml
-    when the session compares it with the committed run (`wants_committed_schedule`), else
-    with the drafter's epochs set to SHORT_EPOCHS in conf/ and composed (so that `draftline
-    compose` and `dvc exp run -S` in the run keep them) and committed (so that salvage finds
-    no change to save)."""
+def embedded_default(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """The embedded default as `dvc repro` runs it from a fresh clone, with the drafter's epochs
+    set to SHORT_EPOCHS in conf/ and composed (so that `draftline compose` and `dvc exp run -S`
+    in the run keep them) and committed (so that salvage finds no change to save)."""
 
     def short_schedule(repo: Path) -> None:
         defaults = yaml.safe_load((repo / "conf/config.yaml").read_text())["defaults"]
@@ -151,16 +155,28 @@ def embedded_default(tmp_path_factory: pytest.TempPathFactory, config: pytest.Co
         assert short != text, f"no `epochs:` line in {conf}"
         conf.write_text(short, encoding="utf-8")
         run(["draftline", "compose"], repo)
-        run(["git", "commit", "-qam", f"embedded default: {SHORT_EPOCHS} epochs"], repo)
+        run(["git", "commit", "-qam", SHORT_COMMIT], repo)
 
-    if wants_committed_schedule(config):
-        return shared_run(tmp_path_factory, "embedded-default", lambda repo: None)
     return shared_run(tmp_path_factory, f"embedded-default-{SHORT_EPOCHS}-epochs", short_schedule)
 
 
-def wants_committed_schedule(config: pytest.Config) -> bool:
-    """Whether this session selected a test marked COMMITTED_SCHEDULE (tests/conftest.py)."""
-    return config.stash.get(COMMITTED_SCHEDULE_SELECTED, False)
+def committed_schedule(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """The embedded default on its committed schedule (20 epochs), for the tests that compare
+    this session's tau with the committed one: the 2-epoch run with its schedule commit
+    reverted, so `dvc repro` trains and evaluates again over the data stages it already has.
+    Its own fixture, whatever else the session selects."""
+
+    def committed(repo: Path) -> None:
+        subject = run(["git", "log", "-1", "--format=%s"], repo).stdout.strip()
+        assert subject == SHORT_COMMIT, subject
+        run(["git", "revert", "--no-edit", "HEAD"], repo)
+
+    return shared_run(
+        tmp_path_factory,
+        "embedded-default",
+        committed,
+        base=lambda: embedded_default(tmp_path_factory),
+    )
 
 
 def qwen36_twin(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:

@@ -35,8 +35,8 @@ def point_at(repo: Path, env: dict[str, str], server: S3Server, bucket: str) -> 
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory, pytestconfig, server: S3Server) -> dict:
-    shared = embedded_default(tmp_path_factory, pytestconfig)
+def story(tmp_path_factory, server: S3Server) -> dict:
+    shared = embedded_default(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("experiments")
     env = base_env(tmp, server)
     bucket = f"exp-{uuid.uuid4().hex[:12]}"
