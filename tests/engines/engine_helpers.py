@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -77,3 +78,71 @@ def export_tiny_drafter(folder: Path, **shape: Any) -> Path:
         torch.randn(config.vocab_size, config.hidden_size),
     )
     return export_drafter(DFlashDrafter(config, head), folder)
+
+
+def capture_cli(argv: list[str]) -> str:
+    """What `draftline <argv>` prints (it must succeed)."""
+    import contextlib
+    import io
+
+    from draftline import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(argv) == 0
+    return buf.getvalue()
+
+
+def dry_run(
+    tmp: Path, model: str, hardware: str, *mode: str, overrides: tuple[str, ...] = ()
+) -> list[str]:
+    """The command `draftline serve start --dry-run` prints, without its environment."""
+    import shlex
+
+    from draftline.runtime import params
+
+    path = tmp / f"{model}-{hardware}{''.join(overrides)}.yaml"
+    if not path.exists():
+        composed = params.compose(
+            [f"model={model}", f"hardware={hardware}", *overrides], REPO / "conf"
+        )
+        path.write_text(params.to_yaml(composed), encoding="utf-8")
+    out = capture_cli(["serve", "start", "--dry-run", "--params", str(path), *mode])
+    words = shlex.split(out.strip().splitlines()[-1])
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        words.pop(0)
+    return words
+
+
+@functools.cache
+def profile(group: str, name: str) -> dict[str, Any]:
+    """A model or hardware profile as composed (interpolations resolved; do not modify it)."""
+    from draftline.runtime import params
+
+    return params.compose([f"{group}={name}"], REPO / "conf")[group]
+
+
+def write_drafter_config(folder: Path, model: dict[str, Any], drafter: str = "dflash_b16") -> Path:
+    """The config.json draftline's export writes for a drafter of `model` trained under the
+    `drafter` profile (shape and layout from the target's config, no weights: SGLang's
+    startup reads only the config)."""
+    from draftline.drafter.build import Hyperparameters, mask_token_id
+    from draftline.generation import sglang_caps
+    from draftline.runtime import params
+
+    hp = Hyperparameters.from_params(
+        params.compose([f"model={model['name']}", f"drafter={drafter}"], REPO / "conf")["drafter"]
+    )
+    config = DFlashConfig.from_target(
+        sglang_caps.text_config(sglang_caps.checkpoint_config(model)),
+        num_hidden_layers=hp.num_hidden_layers,
+        block_size=hp.block_size,
+        mask_token_id=mask_token_id(model),
+        target_layer_ids=[int(i) for i in model["target_layer_ids"]],
+        dflash2=hp.dflash2,
+        **hp.shape(),
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {**config.to_json_dict(), "dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return folder
