@@ -22,6 +22,7 @@ import yaml
 
 from draftline.core.target import load_tokenizer, prompt_ids, render_prompt
 from draftline.data import curation
+from draftline.data.byte_level_counter import ByteLevelTokenCounter
 from draftline.data.conversations import (
     REASONS,
     messages_from_records,
@@ -30,7 +31,7 @@ from draftline.data.conversations import (
 )
 from draftline.data.curation import CurateSettings, conversation_id, curate
 from draftline.data.input_files import BrokenInputFiles, Rejection, read_rows
-from draftline.data.prompt_tokens import ByteLevelTokenCounter, PromptTokenCounter
+from draftline.data.prompt_tokens import PromptTokenCounter
 from draftline.stages import curate as stage
 
 BUDGET = 256

@@ -16,7 +16,7 @@ import pytest
 
 from draftline import cli
 from draftline.commands import plan as plan_cmd
-from draftline.ops import plan_advice, plan_figures, plan_tables, planning
+from draftline.ops.plan import advice, build, figures, tables
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -49,7 +49,7 @@ def profiles(conf: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def seed_plan(seed_params, profiles) -> dict[str, Any]:
-    return planning.build_plan(seed_params, profiles, {}, **SEED_SIZES)
+    return build.build_plan(seed_params, profiles, {}, **SEED_SIZES)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -93,7 +93,7 @@ SEED_PREFILL = 3 * 500 + 600 * 3 * 2  # turns x prompt + history x turns(turns -
 # turn, its prompt (prefill / turns, 1,700) and completion (2,500), capped at max_length 3,072.
 SEED_TURN_TOKENS = 3 * 3_072
 SEED_TOKENS = 912_172 * SEED_TURN_TOKENS
-UTILISATION = planning.SCHEDULE_UTILISATION["work_ahead"][0]
+UTILISATION = build.SCHEDULE_UTILISATION["work_ahead"][0]
 
 
 def seed_generate_s(rate: float, extract_rate: float) -> float:
@@ -128,11 +128,11 @@ def test_the_plan_assumes_the_served_precision_and_says_what_each_figure_is_for(
     b200, pro = (seed_plan["profiles"][n]["generate_precision"] for n in ("b200x8", "pro6000x4"))
     assert (b200["value"], b200["matches"]) == ("fp8", True)
     assert (pro["value"], pro["matches"]) == ("bf16", False)
-    line = plan_figures.precision_text(seed_plan, list(seed_plan["profiles"].values()))
+    line = figures.precision_text(seed_plan, list(seed_plan["profiles"].values()))
     assert "generation time assumes fp8 weights" in line and "pro6000x4 bf16" in line
     bf16 = {**seed_params["model"], "serving": {**seed_params["model"]["serving"]}}
     bf16["serving"]["quantization"] = None
-    plan = planning.build_plan({**seed_params, "model": bf16}, profiles, {}, **SEED_SIZES)
+    plan = build.build_plan({**seed_params, "model": bf16}, profiles, {}, **SEED_SIZES)
     assert plan["model"]["served_precision"]["value"] == "bf16"
     assert plan["profiles"]["b200x8"]["generate_precision"]["matches"] is False
 
@@ -152,12 +152,12 @@ def test_generation_counts_turns_prefill_and_the_schedule(seed_params, seed_plan
     # A profile that does not work ahead has each shard's end idle: a lower utilisation.
     alone = {name: {k: v for k, v in p.items() if k != "work_ahead_shards"}
              for name, p in profiles.items()}  # fmt: skip
-    slower = planning.build_plan(seed_params, alone, {}, **SEED_SIZES)
+    slower = build.build_plan(seed_params, alone, {}, **SEED_SIZES)
     u = slower["profiles"]["b200x8"]["stages"]["generate"]["utilisation"]
-    assert u["value"] == planning.SCHEDULE_UTILISATION["alone"][0] < UTILISATION
+    assert u["value"] == build.SCHEDULE_UTILISATION["alone"][0] < UTILISATION
     # The final answer only: one turn, one prompt.
     last = {**seed_params, "data": {**seed_params["data"], "regenerate_turns": "last"}}
-    one = planning.build_plan(last, profiles, {}, **SEED_SIZES)
+    one = build.build_plan(last, profiles, {}, **SEED_SIZES)
     assert (one["generation"]["turns"]["value"], one["generation"]["prefill_tokens"]["value"]) == (
         1.0,
         500,
@@ -168,7 +168,7 @@ def test_generation_counts_turns_prefill_and_the_schedule(seed_params, seed_plan
 
 
 def test_seed_offline_features_are_about_430_tb(seed_params, seed_plan):
-    assert plan_figures.feature_bytes_per_token(seed_params["model"]) == 51_200
+    assert figures.feature_bytes_per_token(seed_params["model"]) == 51_200
     inputs = seed_plan["inputs"]
     assert inputs["bytes_per_token"]["value"] == 51_200
     assert inputs["sequence_tokens"]["value"] == 3_000
@@ -201,7 +201,7 @@ def test_stage_times_costs_and_online_pays_the_target_forward(seed_plan, profile
 
 def test_cpu_has_no_estimate_and_says_so(seed_plan):
     cpu = seed_plan["profiles"]["cpu"]
-    assert all(cpu["stages"][k]["seconds"] is None for k in planning.STAGES)
+    assert all(cpu["stages"][k]["seconds"] is None for k in build.STAGES)
     assert cpu["total"]["offline"]["missing"] == ["generate", "extract", "train_offline"]
     assert cpu["total"]["offline"]["cost_usd"] is None
     assert cpu["throughput"]["generate_tok_s"]["kind"] == "unknown"
@@ -249,7 +249,7 @@ def test_storage_over_budget_flags_and_recommends_concrete_numbers(seed_plan):
 def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(conf, profiles):
     composed = params.compose(SEED, conf)
     assert composed["extract"]["features"] == "online"
-    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    plan = build.build_plan(composed, profiles, {}, **SEED_SIZES)
     assert plan["features"] == "online" and plan["storage"]["over_budget"] is False
     assert not [f for f in plan["flags"] if f["kind"] == "storage"]
     kinds = {r["kind"] for r in plan["recommendations"]}
@@ -257,14 +257,14 @@ def test_the_27b_trains_online_by_default_and_the_plan_recommends_nothing_set(co
     assert round(plan["storage"]["offline_features_tb"]) == 430  # still said, for comparison
     # No recommendation is an override the params already hold, whatever its kind.
     for rec in plan["recommendations"]:
-        assert not plan_advice.is_set(composed, rec.get("override")), rec
-    assert plan_advice.is_set(composed, "extract.features=online")
-    assert plan_advice.is_set(composed, "hardware.activation_checkpointing=false")
-    assert not plan_advice.is_set(composed, "extract.features=offline")
+        assert not advice.is_set(composed, rec.get("override")), rec
+    assert advice.is_set(composed, "extract.features=online")
+    assert advice.is_set(composed, "hardware.activation_checkpointing=false")
+    assert not advice.is_set(composed, "extract.features=offline")
 
 
 def test_max_length_recommendation_is_usable_when_the_budget_allows(seed_params, profiles):
-    plan = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=100)
+    plan = build.build_plan(seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=100)
     rec = next(r for r in plan["recommendations"] if r["kind"] == "max_length")
     assert rec["max_length"] == math.floor(100e12 / (912_172 * 3 * 51_200))  # 713
     assert rec["completion_tokens_kept"] == 713 - 500
@@ -317,20 +317,20 @@ def test_time_flags_fire_per_stage_and_profile(seed_plan):
 
 
 def test_flags_follow_the_limits(seed_params, profiles):
-    loose = planning.build_plan(
+    loose = build.build_plan(
         seed_params, profiles, {}, **SEED_SIZES, storage_budget_tb=500, time_limit_days=120
     )
     assert loose["flags"] == [] and loose["recommendations"] == []
     assert loose["storage"]["over_budget"] is False
     # 55.3 days of generation: over a 55-day limit, within a 56-day one.
-    at55 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=55)
-    at56 = planning.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=56)
+    at55 = build.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=55)
+    at56 = build.build_plan(seed_params, profiles, {}, **SEED_SIZES, time_limit_days=56)
     assert at55["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is True
     assert at56["profiles"]["pro6000x4"]["stages"]["generate"]["over_limit"] is False
 
 
 def test_small_subset_fits_everything(seed_params, profiles):
-    plan = planning.build_plan(
+    plan = build.build_plan(
         seed_params, profiles, {}, samples=10_000, completion_tokens=2_500, prompt_tokens=500
     )
     assert plan["flags"] == [] and plan["recommendations"] == []
@@ -341,7 +341,7 @@ def test_small_subset_fits_everything(seed_params, profiles):
 
 def test_max_length_caps_the_feature_tokens(conf, profiles):
     composed = params.compose([*SEED, "extract.max_length=1024"], conf)
-    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    plan = build.build_plan(composed, profiles, {}, **SEED_SIZES)
     assert plan["inputs"]["sequence_tokens"]["value"] == 1024
     # Each of the three turns' sequences capped.
     assert plan["storage"]["offline_features_bytes"] == 912_172 * 3 * 1024 * 51_200
@@ -349,7 +349,7 @@ def test_max_length_caps_the_feature_tokens(conf, profiles):
 
 def test_other_target_scales_the_estimates_by_parameters(conf, profiles):
     composed = params.compose(["model=qwen3_8b", "data=sharegpt", "drafter=dflash_b16"], conf)
-    plan = planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    plan = build.build_plan(composed, profiles, {}, **SEED_SIZES)
     rate = plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]
     assert rate["value"] == pytest.approx(22_500 * 27e9 / 8.2e9)
     assert rate["low"] == pytest.approx(15_000 * 27e9 / 8.2e9)
@@ -359,7 +359,7 @@ def test_other_target_scales_the_estimates_by_parameters(conf, profiles):
 
 
 def test_sizes_come_from_the_data_profile_when_not_given(seed_params, profiles):
-    plan = planning.build_plan(seed_params, profiles, {})
+    plan = build.build_plan(seed_params, profiles, {})
     assert plan["inputs"]["samples"]["value"] == 914_000
     assert plan["inputs"]["completion_tokens"]["value"] == 2_500
     assert plan["inputs"]["samples"]["source"] == "conf/data/sharegpt.yaml estimate.samples"
@@ -371,7 +371,7 @@ def test_no_sample_count_names_the_fix(conf, profiles):
     if (composed["data"].get("estimate") or {}).get("samples"):
         composed["data"]["estimate"]["samples"] = None
     with pytest.raises(SystemExit, match="--samples"):
-        planning.build_plan(composed, profiles, {})
+        build.build_plan(composed, profiles, {})
 
 
 # Measured metrics.
@@ -380,7 +380,7 @@ def test_no_sample_count_names_the_fix(conf, profiles):
 def test_measured_metrics_replace_estimates_for_their_profile(run_metrics, seed_params, profiles):
     metrics, notes = plan_cmd.read_metrics(run_metrics)
     assert notes == []
-    plan = planning.build_plan(seed_params, profiles, metrics)
+    plan = build.build_plan(seed_params, profiles, metrics)
     assert plan["notes"] == [
         f"ignored {(run_metrics / 'generate' / 'shard-00002.json').as_posix()}: measured on "
         "model=Qwen/Qwen3-8B@main data=sharegpt drafter=dflash_b16, not "
@@ -436,7 +436,7 @@ def test_metrics_without_profile_count_for_the_params_profile(tmp_path, conf, pr
     write_json(root / "train.json", {**TINY_RUN, "tokens_per_s": 1500.0, "features": "online"})
     metrics, _ = plan_cmd.read_metrics(root)
     composed = params.compose([], conf)
-    plan = planning.build_plan(composed, profiles, metrics)
+    plan = build.build_plan(composed, profiles, metrics)
     epochs = composed["drafter"]["epochs"]
     cpu = plan["profiles"]["cpu"]
     assert cpu["throughput"]["generate_tok_s"]["value"] == 96.0
@@ -462,7 +462,7 @@ def test_broken_or_partial_metrics_fall_back_with_notes(tmp_path, seed_params, p
     write_json(root / "train.json", {"hardware_profile": "b200x8", "tokens_per_s": None})
     metrics, notes = plan_cmd.read_metrics(root)
     assert len(notes) == 2 and all(n.startswith("ignored") for n in notes)
-    plan = planning.build_plan(seed_params, profiles, metrics)
+    plan = build.build_plan(seed_params, profiles, metrics)
     assert plan["inputs"]["samples"]["kind"] == "estimate"
     assert plan["profiles"]["b200x8"]["throughput"]["train_tok_s"]["kind"] == "estimate"
 
@@ -515,9 +515,9 @@ def test_cli_json_schema(capsys, conf, tmp_path):
         "hidden_size": 5120,
         "served_precision": {"value": "fp8", "source": "model.serving.quantization"},
     }
-    assert set(out["profiles"]) == {"cpu", "vllm_cpu", "pro6000x4", "b200x8"}
+    assert set(out["profiles"]) == {"cpu", "vllm_cpu", "pro6000x4", "b200x8", "vllm_b200x8"}
     for prof in out["profiles"].values():
-        assert set(prof["stages"]) == set(planning.STAGES)
+        assert set(prof["stages"]) == set(build.STAGES)
         assert set(prof["total"]) == {"offline", "online"}
         for stage in prof["stages"].values():
             assert set(stage) >= {"seconds", "days", "range_days", "over_limit", "source"}
@@ -566,7 +566,7 @@ def test_memory_flags_and_fixes_name_the_profile_stage_and_override(seed_params,
             },
         }
     }  # fmt: skip
-    plan = planning.build_plan(seed_params, profiles, {}, memory=memory)
+    plan = build.build_plan(seed_params, profiles, {}, memory=memory)
     flags = [f for f in plan["flags"] if f["kind"] == "memory"]
     assert [f["stage"] for f in flags] == ["extract", "train_offline"]
     assert "needs 99.0 GiB per GPU, over the 91.0 GiB usable of 96.0 GiB" in flags[0]["message"]
@@ -616,7 +616,7 @@ def test_cli_table_in_a_subprocess(repo_root, tmp_path):
     table = out.split("Wall time per stage", 1)[1].split("Generation per turn", 1)[0]
     header = table.splitlines()[2]
     assert "b200x8" in header and "pro6000x4" in header and "cpu" not in header
-    assert "Not shown: cpu, vllm_cpu: no throughput for this target" in table
+    assert "Not shown: cpu, vllm_b200x8, vllm_cpu: no throughput for this target" in table
     assert "cpu generate" not in out  # nor in the throughput lines
 
 
@@ -657,23 +657,23 @@ def test_cli_tables_fit_80_columns_with_every_figure_whole(
         assert re.match(r" b200x8 generate +[\d,]+ \([\d,]+–[\d,]+\) +conf/hardware/", rates[0])
     result = json.loads(_plan_cli(repo_root, *args, "--json", columns=columns))
     plans = [result["planned"], result["measured"]] if from_metrics else [result]
-    figures = set()
+    cells = set()
     for plan in plans:
         for profile in plan["profiles"].values():
             if all(s["seconds"] is None for s in profile["stages"].values()):
                 continue  # no figure at all (CPU for the 27B): named under the table instead
-            figures |= {plan_tables.duration(s["seconds"]) for s in profile["stages"].values()}
+            cells |= {tables.duration(s["seconds"]) for s in profile["stages"].values()}
             for mode in ("offline", "online"):
-                figures.add(plan_tables._money(profile["total"][mode]["cost_usd"]))
-                figures.add(plan_tables.duration(profile["total"][mode]["seconds"]))
+                cells.add(tables.money(profile["total"][mode]["cost_usd"]))
+                cells.add(tables.duration(profile["total"][mode]["seconds"]))
     if not from_metrics:  # the Two-nodes table: b200x8 generating, pro6000x4 training
         (pair,) = result["two_nodes"]
         assert "Two nodes: generate on b200x8 (G), train on" in out
-        for view in (pair[key] for key in plan_tables.TWO_NODE_VIEWS):
-            figures.add(plan_tables._money(view["cost_usd"]))
-            figures |= {plan_tables.duration(view[k]) for k in ("seconds", "generate_busy_s")}
-    assert len(figures) > 10
-    for figure in figures:
+        for view in (pair[key] for key in tables.TWO_NODE_VIEWS):
+            cells.add(tables.money(view["cost_usd"]))
+            cells |= {tables.duration(view[k]) for k in ("seconds", "generate_busy_s")}
+    assert len(cells) > 10
+    for figure in cells:
         assert figure in out, figure
     if not from_metrics:
         assert "Memory per GPU" in out and "online: GPU free" in out
@@ -811,7 +811,7 @@ def test_reads_what_the_curate_and_generate_stages_write(tmp_path, seed_params, 
                   "turn_prompt_tokens": 9 * 250})  # fmt: skip
     atomic.write_json(root / "generate" / "shard-00000.json", shard)
     metrics, notes = plan_cmd.read_metrics(root)
-    plan = planning.build_plan(seed_params, profiles, metrics)
+    plan = build.build_plan(seed_params, profiles, metrics)
     assert notes == []
     inputs = plan["inputs"]
     assert (inputs["samples"]["value"], inputs["train_samples"]["value"]) == (12, 11)
@@ -845,7 +845,7 @@ def test_memory_rows_keep_their_order_whatever_order_the_figures_come_in():
         stage = {"peak_bytes": 2**33, "fits": True, "resident": resident}
         memory = {"device_bytes": 2**36, "layout": None, "stages": {"train_online": stage}}
         console = Console(width=80, record=True, file=io.StringIO())
-        plan_tables._print_memory(console, {"profiles": {"p": {"name": "p", "memory": memory}}})
+        tables._print_memory(console, {"profiles": {"p": {"name": "p", "memory": memory}}})
         return console.export_text()
 
     fresh = {"target": 1, "drafter": 2, "target_head": 3, "optimizer": 4}

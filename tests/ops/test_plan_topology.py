@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from draftline import cli
-from draftline.ops import plan_tables, plan_topology, planning
+from draftline.ops.plan import build, tables, topology
 from draftline.runtime import hardware, params
 
 SEED = ["model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -37,7 +37,7 @@ def simulate(n: int, first: float, second: float) -> float:
     ],
 )
 def test_flow_shop_end_by_hand(n, first, second, expected):
-    assert plan_topology.flow_shop_end(n, first, second) == expected
+    assert topology.flow_shop_end(n, first, second) == expected
     assert simulate(n, first, second) == expected
 
 
@@ -45,14 +45,14 @@ def test_flow_shop_end_matches_a_simulation():
     rng = random.Random(0)
     for _ in range(200):
         n, a, b = rng.randint(1, 70), rng.uniform(0.1, 10), rng.uniform(0.1, 10)
-        assert plan_topology.flow_shop_end(n, a, b) == pytest.approx(simulate(n, a, b))
+        assert topology.flow_shop_end(n, a, b) == pytest.approx(simulate(n, a, b))
 
 
 def fake_plan(features: str, epochs: int, g_stages: dict, t_stages: dict) -> dict[str, Any]:
-    """A plan as `planning.build_plan` shapes it, with round figures to check by hand."""
+    """A plan as `build.build_plan` shapes it, with round figures to check by hand."""
 
     def profile(stages: dict[str, float], price: float) -> dict[str, Any]:
-        full = {s: {"seconds": stages.get(s)} for s in planning.STAGES}
+        full = {s: {"seconds": stages.get(s)} for s in build.STAGES}
         parts = ("generate", "extract", "train_offline")
         if features == "online":
             parts = ("generate", "train_online")
@@ -75,7 +75,7 @@ def test_generation_the_bottleneck_offline():
         {"generate": 4000.0, "extract": 1.0, "train_offline": 1.0},
         {"generate": 9e9, "extract": 800.0, "train_offline": 7200.0},
     )
-    out = plan_topology.two_nodes(plan, 4, "gen", "train")
+    out = topology.two_nodes(plan, 4, "gen", "train")
     assert out["per_shard"] == {
         "generate_s": 1000.0,
         "extract_s": 200.0,
@@ -106,7 +106,7 @@ def test_training_the_bottleneck_online_ignores_extraction():
         {"generate": 2000.0, "train_online": 1.0},
         {"generate": 9e9, "extract": 99_999.0, "train_online": 12_000.0},
     )
-    out = plan_topology.two_nodes(plan, 4, "gen", "train")
+    out = topology.two_nodes(plan, 4, "gen", "train")
     assert out["bottleneck"] == "train"
     over = out["overlapped"]
     assert over["chain_s"] == 500 + 1500 + 3 * 1500
@@ -123,7 +123,7 @@ def test_one_shard_overlaps_nothing():
         {"generate": 3000.0, "extract": 1.0, "train_offline": 1.0},
         {"generate": 1.0, "extract": 500.0, "train_offline": 6000.0},
     )
-    out = plan_topology.two_nodes(plan, 1, "gen", "train")
+    out = topology.two_nodes(plan, 1, "gen", "train")
     assert out["overlapped"]["seconds"] == out["generate_then_train"]["seconds"] == 9500.0
     # The same wall time, but T is held through generation: it costs that much more.
     extra = out["overlapped"]["cost_usd"] - out["generate_then_train"]["cost_usd"]
@@ -138,12 +138,12 @@ def profiles(repo_root) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module", params=["offline", "online"])
 def seed(request, repo_root, profiles) -> tuple[dict[str, Any], dict[str, Any]]:
     composed = params.compose([*SEED, f"extract.features={request.param}"], repo_root / "conf")
-    return composed, planning.build_plan(composed, profiles, {}, **SEED_SIZES)
+    return composed, build.build_plan(composed, profiles, {}, **SEED_SIZES)
 
 
 def test_the_sequential_figures_are_the_plans_totals(seed, profiles):
     composed, plan = seed
-    plan_topology.add_two_nodes(plan, composed, profiles)
+    topology.add_two_nodes(plan, composed, profiles)
     (pair,) = plan["two_nodes"]
     assert (pair["generate_on"], pair["train_on"]) == ("b200x8", "pro6000x4")
     assert pair["shards"] == composed["data"]["num_shards"] == 64
@@ -164,22 +164,20 @@ def test_the_sequential_figures_are_the_plans_totals(seed, profiles):
 
 def test_default_pair_is_the_fastest_generator_with_each_other_profile(seed, profiles):
     _, plan = seed
-    assert plan_topology.choose_pairs(plan, profiles) == [("b200x8", "pro6000x4")]
-    assert plan_topology.choose_pairs(plan, profiles, train_on="b200x8") == [
-        ("pro6000x4", "b200x8")
-    ]
-    assert plan_topology.choose_pairs(plan, profiles, generate_on="pro6000x4") == [
+    assert topology.choose_pairs(plan, profiles) == [("b200x8", "pro6000x4")]
+    assert topology.choose_pairs(plan, profiles, train_on="b200x8") == [("pro6000x4", "b200x8")]
+    assert topology.choose_pairs(plan, profiles, generate_on="pro6000x4") == [
         ("pro6000x4", "b200x8")
     ]
     # Two nodes of one profile, when asked for.
-    assert plan_topology.choose_pairs(plan, profiles, "b200x8", "b200x8") == [("b200x8", "b200x8")]
+    assert topology.choose_pairs(plan, profiles, "b200x8", "b200x8") == [("b200x8", "b200x8")]
     # Make the PRO 6000 the faster generator: it becomes the default generator.
     faster = copy.deepcopy(plan)
     faster["profiles"]["pro6000x4"]["stages"]["generate"]["seconds"] = 1.0
-    assert plan_topology.choose_pairs(faster, profiles) == [("pro6000x4", "b200x8")]
+    assert topology.choose_pairs(faster, profiles) == [("pro6000x4", "b200x8")]
     # One GPU profile with figures: nothing to overlap, nothing shown.
     one = {k: v for k, v in profiles.items() if k != "pro6000x4"}
-    assert plan_topology.choose_pairs(plan, one) == []
+    assert topology.choose_pairs(plan, one) == []
 
 
 def test_profiles_without_gpus_are_no_default_node(seed, profiles):
@@ -188,9 +186,9 @@ def test_profiles_without_gpus_are_no_default_node(seed, profiles):
     measured = copy.deepcopy(plan)
     for stage in measured["profiles"]["cpu"]["stages"].values():
         stage["seconds"] = 1.0
-    assert plan_topology.choose_pairs(measured, profiles) == [("b200x8", "pro6000x4")]
+    assert topology.choose_pairs(measured, profiles) == [("b200x8", "pro6000x4")]
     cpus = {k: v for k, v in profiles.items() if not v.get("gpu")}
-    assert plan_topology.choose_pairs(measured, cpus) == []
+    assert topology.choose_pairs(measured, cpus) == []
 
 
 @pytest.mark.parametrize(
@@ -214,17 +212,17 @@ def test_the_table_fits_80_columns_and_says_who_waits(seed, profiles):
     from rich.console import Console
 
     composed, plan = seed
-    plan_topology.add_two_nodes(plan, composed, profiles)
+    topology.add_two_nodes(plan, composed, profiles)
     (pair,) = plan["two_nodes"]
     for width in (80, 120):
         console = Console(width=width, record=True, file=io.StringIO())
-        plan_tables.print_two_nodes(console, pair)
+        tables.print_two_nodes(console, pair)
         out = console.export_text()
         assert max(len(line) for line in out.splitlines()) <= width, out
         assert "…" not in out
-        for key in plan_tables.TWO_NODE_VIEWS:
-            assert plan_tables.duration(pair[key]["seconds"]) in out
-            assert plan_tables._money(pair[key]["cost_usd"]) in out
+        for key in tables.TWO_NODE_VIEWS:
+            assert tables.duration(pair[key]["seconds"]) in out
+            assert tables.money(pair[key]["cost_usd"]) in out
         # The generator is 1.5 h a shard, the PRO 6000 2.3 h: T is the bottleneck.
         assert "shards queue" in out and "training is the bottleneck" in out
         assert "b200x8 generates a shard in 1.5 h" in " ".join(out.split())
@@ -235,5 +233,5 @@ def test_the_plan_beside_a_measured_one_keeps_the_pairs_it_has_figures_for(seed,
     profile has figures only from measurements there (a CPU run, say)."""
     composed, plan = seed
     pairs = [("b200x8", "pro6000x4"), ("b200x8", "cpu")]
-    shown = plan_topology.add_two_nodes(copy.deepcopy(plan), composed, profiles, pairs=pairs)
+    shown = topology.add_two_nodes(copy.deepcopy(plan), composed, profiles, pairs=pairs)
     assert [(p["generate_on"], p["train_on"]) for p in shown["two_nodes"]] == [pairs[0]]

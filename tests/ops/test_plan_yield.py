@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from draftline.ops import plan_tables, plan_yield, planning
+from draftline.ops.plan import build, data_yield, tables
 from draftline.runtime import hardware, params
 
 THE_27B = ["hardware=b200x8", "model=qwen3_6_27b", "data=sharegpt", "drafter=dflash_b16"]
@@ -31,7 +31,7 @@ def profiles(conf: Path) -> dict[str, dict[str, Any]]:
 
 def plan_for(conf: Path, profiles: dict[str, Any], *overrides: str, metrics=None) -> dict:
     composed = params.compose([*THE_27B, *overrides], conf)
-    return planning.build_plan(composed, profiles, metrics or {})
+    return build.build_plan(composed, profiles, metrics or {})
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_the_printed_table_names_both_layouts_and_the_header_the_yield(plan_27b)
     from rich.console import Console
 
     console = Console(width=80, record=True, file=io.StringIO())
-    plan_tables.print_plan(console, plan_27b)
+    tables.print_plan(console, plan_27b)
     out = console.export_text()
     assert "rows turn (yield 1.00)" in out
     table = out.split("Data yield", 1)[1].split("Generation per turn", 1)[0]
@@ -142,4 +142,4 @@ def test_the_layout_is_checked(conf, profiles):
     composed = params.compose(THE_27B, conf)
     composed["extract"]["rows"] = "document"
     with pytest.raises(ValueError, match="extract.rows must be one of"):
-        plan_yield.configured_layout(composed)
+        data_yield.configured_layout(composed)

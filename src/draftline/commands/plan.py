@@ -12,7 +12,7 @@ drafter (docs/pipeline.md, "Results read by `draftline plan`"). Examples:
 
 With two GPU profiles or more, a "Two nodes" table shows one profile generating while another
 trains each shard once it is pushed, beside the sequential runs (by default the fastest
-generator and each other profile; draftline.ops.plan_topology says how it is counted).
+generator and each other profile; draftline.ops.plan.topology says how it is counted).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import plan_topology, planning
-from draftline.ops.plan_tables import print_comparison, print_plan
+from draftline.ops.plan import build, topology
+from draftline.ops.plan.comparison import print_comparison
+from draftline.ops.plan.tables import print_plan
 from draftline.runtime import hardware, params, run_log
 
 METRIC_FILES = ("curate", "validate", "extract", "train")
@@ -70,14 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--storage-budget-tb",
         type=positive,
-        default=planning.DEFAULT_STORAGE_BUDGET_TB,
-        help=f"flag offline features above this (default {planning.DEFAULT_STORAGE_BUDGET_TB:g})",
+        default=build.DEFAULT_STORAGE_BUDGET_TB,
+        help=f"flag offline features above this (default {build.DEFAULT_STORAGE_BUDGET_TB:g})",
     )
     parser.add_argument(
         "--time-limit-days",
         type=positive,
-        default=planning.DEFAULT_TIME_LIMIT_DAYS,
-        help=f"flag stages longer than this (default {planning.DEFAULT_TIME_LIMIT_DAYS:g})",
+        default=build.DEFAULT_TIME_LIMIT_DAYS,
+        help=f"flag stages longer than this (default {build.DEFAULT_TIME_LIMIT_DAYS:g})",
     )
     parser.add_argument(
         "--from-metrics",
@@ -180,15 +181,15 @@ def run(args: argparse.Namespace) -> int:
         "storage_budget_tb": args.storage_budget_tb,
         "time_limit_days": args.time_limit_days,
     }
-    plan = planning.build_plan(composed, profiles, metrics, **options)
-    plan_topology.add_two_nodes(plan, composed, profiles, args.generate_on, args.train_on)
+    plan = build.build_plan(composed, profiles, metrics, **options)
+    topology.add_two_nodes(plan, composed, profiles, args.generate_on, args.train_on)
     plan["notes"] = notes + plan["notes"]
     if args.from_metrics:
-        planned = planning.build_plan(composed, profiles, {}, **options)
+        planned = build.build_plan(composed, profiles, {}, **options)
         pairs = [(p["generate_on"], p["train_on"]) for p in plan["two_nodes"]]
-        plan_topology.add_two_nodes(planned, composed, profiles, pairs=pairs)
+        topology.add_two_nodes(planned, composed, profiles, pairs=pairs)
         result: dict[str, Any] = {
-            "schema": planning.SCHEMA,
+            "schema": build.SCHEMA,
             "planned": planned,
             "measured": plan,
             "metrics_files": _metric_files(metrics, args.reports_dir),

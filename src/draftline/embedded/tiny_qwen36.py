@@ -30,13 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.embedded import chat_templates, sample_prompts, tiny_target
+from draftline.embedded import chat_templates, sample_prompts, tiny_target, tiny_tokenizer
 from draftline.embedded.sample_prompts import Message, Task
+from draftline.embedded.tiny_tokenizer import END_THINK, IM_END, IM_START, PAD, THINK
 from draftline.runtime import atomic
 
-PAD = EOS = "<|endoftext|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-THINK, END_THINK = "<think>", "</think>"
+EOS = PAD  # <|endoftext|> ends text and pads, as in the real tokenizer
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
     "<|vision_end|>",
@@ -49,8 +48,6 @@ ADDED_TOKENS = [
     EOS, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD,
     THINK, END_THINK, AUDIO_START, AUDIO_END,
 ]  # fmt: skip
-# The think markers are plain added tokens (decoding with skip_special_tokens keeps them).
-NOT_SPECIAL = {THINK, END_THINK}
 # The DFlash mask: an existing special token that text never uses, as 248070 (`<|audio_start|>`)
 # is for the real target, which has no `<|MASK|>`.
 MASK_STAND_IN = AUDIO_START
@@ -100,30 +97,7 @@ class BuildConfig(tiny_target.Optimizer):
 
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     """Byte-level BPE trained on `corpus`, the special tokens appended after it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(ADDED_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens(
-        [AddedToken(t, special=t not in NOT_SPECIAL, normalized=False) for t in ADDED_TOKENS]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1024,
-        clean_up_tokenization_spaces=False,
-    )
+    return tiny_tokenizer.build_tokenizer(corpus, vocab_size, CHAT_TEMPLATE, after=ADDED_TOKENS)
 
 
 # --- training data --------------------------------------------------------------------------
@@ -285,7 +259,7 @@ def build(
     """Build tokenizer and model into `out_dir` (atomically); return figures for the report."""
     started = tiny_target.start_build(config.torch_threads)
     examples = sample_prompts.training_prompts(config.seed, config.num_conversations)
-    tokenizer = build_tokenizer(tiny_target.corpus_texts(examples), config.vocab_size)
+    tokenizer = build_tokenizer(tiny_tokenizer.corpus_texts(examples), config.vocab_size)
     encoded = encode_examples(tokenizer, examples, config.non_thinking_share, config.seed)
     model = build_model(config, tokenizer)
     losses = tiny_target.train(model, encoded, config, tokenizer.pad_token_id, progress)

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.embedded import chat_templates, sample_prompts
+from draftline.embedded import chat_templates, sample_prompts, tiny_tokenizer
 from draftline.embedded.sample_prompts import Message, Task
+from draftline.embedded.tiny_tokenizer import END_THINK, IM_END, IM_START, PAD, THINK
 from draftline.runtime import atomic
 
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-THINK, END_THINK, MASK = "<think>", "</think>", "<|MASK|>"
+MASK = "<|MASK|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, THINK, END_THINK, MASK]  # ids 0..5, in this order
 
 # The chat template (draftline.embedded.chat_templates.QWEN3).
@@ -63,45 +63,14 @@ class BuildConfig(Optimizer):
 # --- tokenizer ------------------------------------------------------------------------------
 
 
-def corpus_texts(examples: Sequence[tuple[list[Message], Task]]) -> list[str]:
-    # Role headers as the chat template writes them, so "user\n" etc. become single tokens.
-    texts = [f"{m['role']}\n{m['content']}" for messages, _ in examples for m in messages]
-    texts += [task.reasoning + "\n" + task.answer for _, task in examples]
-    return texts
-
-
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
-    """Byte-level BPE trained on `corpus`, as a PreTrainedTokenizerFast with the chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # As in Qwen3, <think> and </think> are added but not "special": decoding with
-    # skip_special_tokens keeps them.
-    specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    # The trainer marks every reserved token special; clear the flag on the think markers.
-    data = json.loads(tok.to_str())
-    for added in data["added_tokens"]:
-        added["special"] = added["content"] not in (THINK, END_THINK)
-    tok = Tokenizer.from_str(json.dumps(data))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=PAD,
+    """Byte-level BPE trained on `corpus`, its special tokens first (ids 0..5)."""
+    return tiny_tokenizer.build_tokenizer(
+        corpus,
+        vocab_size,
+        CHAT_TEMPLATE,
+        first=SPECIAL_TOKENS,
         extra_special_tokens={"im_start_token": IM_START, "mask_token": MASK},
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1024,
-        clean_up_tokenization_spaces=False,
     )
 
 
@@ -370,7 +339,7 @@ def build(
     """Build tokenizer and model into `out_dir` (atomically); return figures for the report."""
     started = start_build(config.torch_threads)
     examples = sample_prompts.training_prompts(config.seed, config.num_conversations)
-    tokenizer = build_tokenizer(corpus_texts(examples), config.vocab_size)
+    tokenizer = build_tokenizer(tiny_tokenizer.corpus_texts(examples), config.vocab_size)
     encoded = encode_examples(tokenizer, examples, config.non_thinking_share, config.seed)
     model = build_model(config, tokenizer)
     losses = train(model, encoded, config, tokenizer.pad_token_id, progress)

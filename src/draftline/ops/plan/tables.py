@@ -1,5 +1,6 @@
 """How `draftline plan` prints a plan: rich tables that fit 80 columns with every figure whole,
-sources wrapped in their own column, rows in a fixed order. The numbers are `planning`'s."""
+sources wrapped in their own column, rows in a fixed order. The numbers are `build`'s; the cells
+(a duration, a cost, a rate) are shared with `comparison`, the planned-vs-measured view."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import textwrap
 from typing import Any
 
 from draftline.drafter import memory_plan
-from draftline.ops import plan_figures, plan_yield, planning
+from draftline.ops.plan import data_yield
+from draftline.ops.plan.figures import DAY_S, STAGES, precision_text
 
 
 def duration(seconds: float | None) -> str:
     """Days for long stages, smaller units for the short stages of a CPU run."""
     if seconds is None:
         return "—"
-    if seconds >= planning.DAY_S:
-        return f"{seconds / planning.DAY_S:,.2f} d"
+    if seconds >= DAY_S:
+        return f"{seconds / DAY_S:,.2f} d"
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
     if seconds >= 60:
@@ -23,7 +25,7 @@ def duration(seconds: float | None) -> str:
     return f"{seconds:.0f} s"
 
 
-def _stage_cell(info: dict[str, Any]) -> str:
+def stage_cell(info: dict[str, Any]) -> str:
     text = duration(info["seconds"])
     if info.get("range_days"):
         low, high = info["range_days"]
@@ -31,11 +33,11 @@ def _stage_cell(info: dict[str, Any]) -> str:
     return f"[bold red]{text} ![/]" if info["over_limit"] else text
 
 
-def _money(value: float | None) -> str:
+def money(value: float | None) -> str:
     return "—" if value is None else f"${value:,.0f}"
 
 
-def _rate(figure: dict[str, Any]) -> str:
+def rate_cell(figure: dict[str, Any]) -> str:
     value = figure.get("value")
     if value is None:
         return "—"
@@ -45,7 +47,7 @@ def _rate(figure: dict[str, Any]) -> str:
     return text
 
 
-def _header(plan: dict[str, Any]) -> str:
+def header(plan: dict[str, Any]) -> str:
     m = plan["model"]
     rows = plan["yield"]["configured"]
     share = plan["yield"]["layouts"][rows]["per_conversation"]["yield"]["value"]
@@ -56,7 +58,7 @@ def _header(plan: dict[str, Any]) -> str:
     )
 
 
-def _input_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+def input_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
     labels = {
         "samples": "samples (generate)",
         "train_samples": "samples (extract/train)",
@@ -74,12 +76,12 @@ def _input_rows(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
 def print_plan(console: Any, plan: dict[str, Any]) -> None:
     from rich.table import Table
 
-    console.print(_header(plan))
+    console.print(header(plan))
     inputs = Table(title="Inputs", title_justify="left")
     inputs.add_column("input", overflow="fold")
     inputs.add_column("value", justify="right", no_wrap=True)
     inputs.add_column("source", overflow="fold")
-    for row in _input_rows(plan):
+    for row in input_rows(plan):
         inputs.add_row(*row)
     console.print(inputs)
 
@@ -93,13 +95,12 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
     profiles = known or every
     rows: list[tuple[str, list[str]]] = [("$/h", [f"{p['price_per_hour']:g}" for p in profiles])]
     rows += [
-        (key.replace("_", " "), [_stage_cell(p["stages"][key]) for p in profiles])
-        for key in planning.STAGES
+        (key.replace("_", " "), [stage_cell(p["stages"][key]) for p in profiles]) for key in STAGES
     ]
     for mode in ("offline", "online"):
         rows.append((f"total {mode}", [duration(p["total"][mode]["seconds"]) for p in profiles]))
     for mode in ("offline", "online"):
-        rows.append((f"cost {mode}", [_money(p["total"][mode]["cost_usd"]) for p in profiles]))
+        rows.append((f"cost {mode}", [money(p["total"][mode]["cost_usd"]) for p in profiles]))
     console.print(
         _by_profile(f"Wall time per stage (! over the {limit:g}-day limit)", profiles, rows)
     )
@@ -108,18 +109,18 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
             f"[dim]Not shown: {', '.join(unknown)}: no throughput for this target "
             "(measured on a run there, or throughput.* in conf/hardware/)[/]"
         )
-    console.print(plan_yield.yield_table(plan, profiles))
-    for line in plan_yield.yield_sources(plan):
+    console.print(data_yield.yield_table(plan, profiles))
+    for line in data_yield.yield_sources(plan):
         console.print(line, style="dim", highlight=False)
     console.print(generation_line(plan))
-    console.print(f"[bold]Serving precision[/]: {plan_figures.precision_text(plan, profiles)}")
+    console.print(f"[bold]Serving precision[/]: {precision_text(plan, profiles)}")
     for pair in plan.get("two_nodes") or []:
         print_two_nodes(console, pair)
 
     console.print(_throughput_grid(profiles))
     _print_calibrated(console, profiles)
     _print_memory(console, plan)
-    _print_advice(console, plan)
+    print_advice(console, plan)
 
 
 def storage_line(plan: dict[str, Any]) -> str:
@@ -151,7 +152,7 @@ def _throughput_grid(profiles: list[dict[str, Any]]) -> Any:
     for p in profiles:
         for key, figure in p["throughput"].items():
             what = f"{p['name']} {key.removesuffix('_tok_s')}"
-            grid.add_row(what, f"[bold]{_rate(figure)}[/]", figure["source"])
+            grid.add_row(what, f"[bold]{rate_cell(figure)}[/]", figure["source"])
     return grid
 
 
@@ -177,7 +178,7 @@ def _print_calibrated(console: Any, profiles: list[dict[str, Any]]) -> None:
                 continue
             was = figure.get("estimate")
             before = seconds * figure["value"] / was if was else None
-            change = None if before is None else (seconds - before) / planning.DAY_S
+            change = None if before is None else (seconds - before) / DAY_S
             dollars = None if change is None else change * 24 * p["price_per_hour"]
             rows.append((
                 f"{p['name']} {stage.replace('_', ' ')}",
@@ -266,7 +267,7 @@ def print_two_nodes(console: Any, pair: dict[str, Any]) -> None:
     waits = "T waits" if pair["bottleneck"] == "generate" else "shards queue"
     rows = [
         ("wall time", [duration(v["seconds"]) for v in views]),
-        ("cost", [_money(v["cost_usd"]) for v in views]),
+        ("cost", [money(v["cost_usd"]) for v in views]),
         ("G busy", [duration(v["generate_busy_s"]) for v in views]),
         ("T busy", [duration(v["train_busy_s"]) for v in views]),
         ("T idle", [idle(v) for v in views]),
@@ -375,79 +376,10 @@ def _print_memory(console: Any, plan: dict[str, Any]) -> None:
     console.print(table)
 
 
-def _print_advice(console: Any, plan: dict[str, Any]) -> None:
+def print_advice(console: Any, plan: dict[str, Any]) -> None:
     for flag in plan["flags"]:
         console.print(f"[bold red]FLAG[/] {flag['message']}")
     for rec in plan["recommendations"]:
         console.print(f"[bold green]RECOMMEND[/] {rec['message']}")
     for note in plan.get("notes") or []:
         console.print(f"[yellow]note[/] {note}")
-
-
-def _figures_table(title: str, what: str) -> Any:
-    """Planned and measured figures whole (never folded); where each measured figure comes from
-    is listed under the table by its number, so the table fits 80 columns."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    table.add_column(what, overflow="fold")
-    table.add_column("planned", justify="right", no_wrap=True)
-    table.add_column("measured", justify="right", no_wrap=True)
-    table.add_column("src", justify="right", no_wrap=True)
-    return table
-
-
-def _stacked(cell: str) -> str:
-    """A figure's range under the figure, so two figures side by side fit 80 columns."""
-    return cell.replace(" (", "\n(", 1)
-
-
-def _print_with_sources(console: Any, table: Any, rows: list[tuple[str, str, str, str]]) -> None:
-    sources: list[str] = []
-    for label, planned, measured, source in rows:
-        ref = ""
-        if source:
-            sources.append(source)
-            ref = f"[{len(sources)}]"
-        table.add_row(label, planned, measured, ref)
-    console.print(table)
-    for i, source in enumerate(sources, 1):
-        console.print(f"  \\[{i}] {source}", style="dim", highlight=False)
-
-
-def print_comparison(console: Any, planned: dict[str, Any], measured: dict[str, Any]) -> None:
-    """Planned (estimates only) and measured (metrics where they exist) side by side."""
-    console.print(_header(measured))
-    _print_with_sources(
-        console,
-        _figures_table("Inputs", "input"),
-        [
-            (label, plan_value, value, source)
-            for (label, plan_value, _), (_, value, source) in zip(
-                _input_rows(planned), _input_rows(measured), strict=True
-            )
-        ],
-    )
-    for p_plan, p_meas in zip(
-        planned["profiles"].values(), measured["profiles"].values(), strict=True
-    ):
-        rows = []
-        for key in p_meas["throughput"]:
-            a, b = p_plan["throughput"][key], p_meas["throughput"][key]
-            label = key.replace("_tok_s", " tok/s").replace("_", " ")
-            rows.append((label, _stacked(_rate(a)), _stacked(_rate(b)), b["source"]))
-        for key in planning.STAGES:
-            rows.append(
-                (
-                    f"{key.replace('_', ' ')} time",
-                    _stacked(_stage_cell(p_plan["stages"][key])),
-                    _stacked(_stage_cell(p_meas["stages"][key])),
-                    p_meas["stages"][key]["source"],
-                )
-            )
-        for mode in ("offline", "online"):
-            a, b = p_plan["total"][mode], p_meas["total"][mode]
-            rows.append((f"total {mode}", duration(a["seconds"]), duration(b["seconds"]), ""))
-            rows.append((f"cost {mode}", _money(a["cost_usd"]), _money(b["cost_usd"]), ""))
-        _print_with_sources(console, _figures_table(p_meas["name"], "figure"), rows)
-    _print_advice(console, measured)

@@ -9,7 +9,7 @@ longer than L is cut from its prompt's start, its completion kept up to L - 1 to
   completion: t x min(prompt + c, L) forward tokens, t x min(c, L - 1) supervised. Every turn's
   prompt goes through the target's forward again.
 - `conversation`: one sequence, the last prompt (the first one plus t - 1 turns of history, as
-  `planning.generation_work` counts them) and its completion: min(prompt + c, L) forward tokens,
+  `build.generation_work` counts them) and its completion: min(prompt + c, L) forward tokens,
   min(c, L - 1) supervised plus the earlier answers the history shows, where the window keeps
   them.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftline.core.training_rows import ROW_LAYOUTS, check_layout
-from draftline.ops.plan_figures import Figure, Inputs, metrics_path, usable
+from draftline.ops.plan.figures import Figure, Inputs, metrics_path, usable
 from draftline.runtime.params import identity as run_identity
 from draftline.runtime.run_log import number_at
 

@@ -10,28 +10,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from draftline.ops.plan_figures import DAY_S, STAGE_WORDS, STAGES, TB, Inputs
+from draftline.ops.plan.figures import DAY_S, STAGE_WORDS, STAGES, TB, Inputs
 
 
-def flags(
+def advise(
     storage: dict[str, Any],
     planned: list[dict[str, Any]],
     inputs: Inputs,
     limit: float,
     params: dict[str, Any],
-) -> list[dict[str, Any]]:
-    return _flags(storage, planned, inputs, limit) + _memory_flags(planned)
-
-
-def recommendations(
-    storage: dict[str, Any],
-    planned: list[dict[str, Any]],
-    inputs: Inputs,
-    limit: float,
-    params: dict[str, Any],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The plan's flags and its recommendations, less those the params already hold."""
+    flags = _flags(storage, planned, inputs, limit) + _memory_flags(planned)
     recs = _recommendations(storage, planned, inputs, limit) + _memory_recommendations(planned)
-    return [r for r in recs if not is_set(params, r.get("override"))]
+    return flags, [r for r in recs if not is_set(params, r.get("override"))]
 
 
 def is_set(params: dict[str, Any], override: str | None) -> bool:

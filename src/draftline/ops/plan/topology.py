@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftline.ops.plan_figures import DAY_S
+from draftline.ops.plan.figures import DAY_S
 
 # The sequential views beside the overlapped one, in the order the table shows them.
 TOPOLOGIES = ("overlapped", "generate_node_alone", "generate_then_train")
@@ -77,7 +77,7 @@ def _view(
 def two_nodes(plan: dict[str, Any], shards: int, generate_on: str, train_on: str) -> dict[str, Any]:
     """The overlapped run of one pair beside the two sequential ones (see the module docstring).
 
-    `plan` is `planning.build_plan`'s; both profiles must have their figures (`has_figures`).
+    `plan` is `build.build_plan`'s; both profiles must have their figures (`has_figures`).
     """
     features, epochs, n = plan["features"], int(plan["drafter"]["epochs"]), int(shards)
     gen_p, train_p = plan["profiles"][generate_on], plan["profiles"][train_on]

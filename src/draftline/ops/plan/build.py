@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from draftline.core.target import model_ref
-from draftline.ops import plan_yield
-from draftline.ops.plan_advice import flags, recommendations
-from draftline.ops.plan_figures import (
+from draftline.ops.plan import data_yield
+from draftline.ops.plan.advice import advise
+from draftline.ops.plan.figures import (
     DAY_S,
     IDENTITY,
     TB,
@@ -30,7 +30,7 @@ from draftline.ops.plan_figures import (
     served_precision,
     usable,
 )
-from draftline.ops.plan_figures import (
+from draftline.ops.plan.figures import (
     STAGES as STAGES,  # re-exported: the plan's stages, in the order they run
 )
 from draftline.runtime.params import identity as run_identity
@@ -214,7 +214,7 @@ def plan_profile(
     feature_tokens: float | None = None,
 ) -> dict[str, Any]:
     """Stage times, totals and costs of one profile. `feature_tokens`: the tokens of the run
-    through the target's forward (`plan_yield.run_tokens`), extracted once, trained each epoch;
+    through the target's forward (`data_yield.run_tokens`), extracted once, trained each epoch;
     by default one sequence per conversation."""
     rates = profile_throughput(name, profile, params, metrics)
     gen = gen or generation_work(params, metrics, inputs)
@@ -291,9 +291,9 @@ def build_plan(
     memory = memory or {}
     inputs = resolve_inputs(params, metrics, samples, completion_tokens, prompt_tokens)
     gen = generation_work(params, metrics, inputs)
-    layout = plan_yield.configured_layout(params)
-    yields = plan_yield.layout_yields(params, metrics, inputs, gen.turns, gen.prefill_tokens)
-    seq_tokens = plan_yield.run_tokens(inputs, yields[layout])
+    layout = data_yield.configured_layout(params)
+    yields = data_yield.layout_yields(params, metrics, inputs, gen.turns, gen.prefill_tokens)
+    seq_tokens = data_yield.run_tokens(inputs, yields[layout])
     feature_bytes = seq_tokens * inputs.bytes_per_token.value
     storage = {
         "rows": layout,
@@ -314,7 +314,7 @@ def build_plan(
     totals = {layout: {p["name"]: p["total"] for p in planned}}
     for name, y in yields.items():
         if name != layout:
-            tokens = plan_yield.run_tokens(inputs, y)
+            tokens = data_yield.run_tokens(inputs, y)
             totals[name] = {
                 prof: plan_profile(
                     prof, spec, params, inputs, metrics, time_limit_days, gen, tokens
@@ -324,7 +324,7 @@ def build_plan(
     for p in planned:
         if p["name"] in memory:
             p["memory"] = memory[p["name"]]
-    advice = (storage, planned, inputs, time_limit_days, params)
+    flags, recommendations = advise(storage, planned, inputs, time_limit_days, params)
     model = params["model"]
     return {
         "schema": SCHEMA,
@@ -353,12 +353,12 @@ def build_plan(
             "prefill_tokens": _figure(gen.prefill_tokens),
             "output_tokens": gen.output_tokens,
         },
-        "yield": plan_yield.section(layout, yields, inputs, totals),
+        "yield": data_yield.section(layout, yields, inputs, totals),
         "limits": {"storage_budget_tb": storage_budget_tb, "time_limit_days": time_limit_days},
         "storage": storage,
         "profiles": {p["name"]: p for p in planned},
-        "flags": flags(*advice),
-        "recommendations": recommendations(*advice),
+        "flags": flags,
+        "recommendations": recommendations,
         "notes": _other_run_notes(metrics, run_identity(params)),
     }
 
