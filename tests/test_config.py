@@ -44,7 +44,9 @@ def test_groups_have_the_expected_options() -> None:
     assert {"tiny", "qwen3_6_27b", "qwen3_8b"} <= set(options("model"))
     assert {"sample", "sharegpt"} <= set(options("data"))
     assert {"dflash_b16", "dflash_tiny"} <= set(options("drafter"))
-    assert {"cpu", "pro6000x4", "b200x8", "auto"} <= set(options("hardware"))
+    assert {"cpu", "pro6000x4", "b200x8", "vllm_cpu", "vllm_b200x8", "auto"} <= set(
+        options("hardware")
+    )
     assert len(COMBOS) >= 48
 
 
@@ -92,9 +94,23 @@ def test_gpu_profiles_are_data_parallel_as_measured() -> None:
     assert profiles["b200x8"]["sglang"]["dp_size"] == 8
     assert profiles["b200x8"]["sglang"]["tp_size"] == 1
     # What is served (precision, speculative decoding) is the model's: no profile may set it.
-    what = {"quantization", "kv_cache_dtype", "speculative"}
+    what = {"quantization", "kv_cache_dtype", "speculative", "checkpoint"}
     assert not [n for n, p in profiles.items() if what & set(p.get("sglang") or {})]
+    assert not [n for n, p in profiles.items() if what & set(p.get("vllm") or {})]
     assert profiles["pro6000x4"]["throughput"]["generate_tok_s"] == 1600
+
+
+@pytest.mark.parametrize("model", ["qwen3_6_27b", "qwen3_8b", "tiny"])
+def test_the_vllm_gpu_profile_composes_for_cuda(model: str) -> None:
+    """vLLM on 8 B200: CUDA, bf16, 8 data-parallel engines with CUDA graphs; the served
+    context is the model's, and `hardware=auto` keeps choosing the SGLang profile there."""
+    hw = params.compose([f"model={model}", "hardware=vllm_b200x8"], CONF)["hardware"]
+    assert (hw["engine"], hw["device"], hw["precision"]) == ("vllm", "cuda", "bf16")
+    vllm = hw["vllm"]
+    assert vllm["dp_size"] == 8 and vllm["dtype"] == "auto" and vllm["enforce_eager"] is False
+    assert vllm["max_model_len"] is None and vllm["kv_cache_gib"] is None
+    assert vllm["max_in_flight"] >= vllm["dp_size"] * vllm["max_num_seqs"]
+    assert match_profile([GPUInfo("NVIDIA B200", 183359)] * 8, load_profiles(CONF)) == "b200x8"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Every server command line `draftline serve start --dry-run` prints, for every model profile x
-GPU hardware profile x mode (the model's own speculation, the exported DFlash drafter, none) and
-the vLLM profile (no speculation, the drafter), goes through the launcher's own parsing code of
+GPU hardware profile x mode (the model's own speculation, the exported DFlash drafter, none),
+the vLLM GPU profile (the same modes and an exported DFlash2 drafter), the vLLM CPU profile (no
+speculation, the drafter) and a pre-quantized served checkpoint, goes through the launcher's own
+parsing code of
 the pinned engines: `sglang.launch_server` (`prepare_server_args`), `sglang_router.launch_server`
 (its `main()`, strict parser of ServerArgs + RouterArgs, then both `from_cli_args`), and
 `vllm serve` (`vllm.entrypoints.cli.main`, `validate_parsed_serve_args`, then
@@ -12,11 +14,13 @@ target's config from the hub and probe the GPU."""
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 from pathlib import Path
 
 import pytest
-from engine_helpers import REPO, run_in_engines
+from engine_helpers import REPO, export_tiny_drafter, run_in_engines
 
 from draftline import cli
 from draftline.generation import engine_argv_check
@@ -25,7 +29,8 @@ from draftline.runtime import params
 pytestmark = pytest.mark.engines
 
 MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
-GPU_PROFILES = ("pro6000x4", "b200x8")
+GPU_PROFILES = ("pro6000x4", "b200x8", "vllm_b200x8")
+CHECKPOINT = "+model.serving.checkpoint={path:Qwen/Qwen3.6-27B-FP8,revision:main}"
 CHECKER = Path(engine_argv_check.__file__)
 
 
@@ -33,7 +38,8 @@ def dry_run(
     tmp: Path, model: str, hardware: str, *mode: str, overrides: tuple[str, ...] = ()
 ) -> list[str]:
     """The command `draftline serve start --dry-run` prints, without its environment."""
-    path = tmp / f"{model}-{hardware}{''.join(overrides)}.yaml"
+    suffix = re.sub(r"[^\w.=-]+", "_", "".join(overrides))  # an override may hold a hub id
+    path = tmp / f"{model}-{hardware}{suffix}.yaml"
     if not path.exists():
         composed = params.compose(
             [f"model={model}", f"hardware={hardware}", *overrides], REPO / "conf"
@@ -57,7 +63,17 @@ def _capture(argv: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory, exported_drafter) -> dict[str, list[str]]:
+def exported_drafter2(tmp_path_factory) -> Path:
+    """A DFlash2 drafter exported by draftline's own export (random weights)."""
+    from draftline.drafter.dflash2 import DFlash2Layout
+
+    layout = DFlash2Layout(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                           selector_top_k=6)  # fmt: skip
+    return export_tiny_drafter(tmp_path_factory.mktemp("engines2") / "drafter2", dflash2=layout)
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory, exported_drafter, exported_drafter2) -> dict[str, list[str]]:
     tmp = tmp_path_factory.mktemp("argv")
     drafter = ["--drafter", str(exported_drafter)]
     out = {}
@@ -66,13 +82,18 @@ def commands(tmp_path_factory, exported_drafter) -> dict[str, list[str]]:
             out[f"{model} {hardware} own"] = dry_run(tmp, model, hardware)
             out[f"{model} {hardware} dflash"] = dry_run(tmp, model, hardware, *drafter)
             out[f"{model} {hardware} none"] = dry_run(tmp, model, hardware, "--no-speculation")
+        # vLLM on a GPU node (vllm 0.34.0, `vllm serve`) serves DFlash2 too (Model Runner V2).
+        out[f"{model} vllm_b200x8 dflash2"] = dry_run(
+            tmp, model, "vllm_b200x8", "--drafter", str(exported_drafter2)
+        )  # fmt: skip
         out[f"{model} vllm_cpu none"] = dry_run(tmp, model, "vllm_cpu", "--no-speculation")
         out[f"{model} vllm_cpu dflash"] = dry_run(tmp, model, "vllm_cpu", *drafter)
-        # vLLM on a GPU node (vllm 0.34.0) launches through `vllm serve` instead.
-        cuda = ("hardware.device=cuda",)
-        out[f"{model} vllm_gpu dflash"] = dry_run(
-            tmp, model, "vllm_cpu", *drafter, overrides=cuda
-        )  # fmt: skip
+    # The FP8 checkpoint as what is served, through both engines.
+    for hardware in ("b200x8", "vllm_b200x8"):
+        for mode, flags in (("own", ()), ("dflash", drafter)):
+            out[f"qwen3_6_27b {hardware} {mode} fp8 checkpoint"] = dry_run(
+                tmp, "qwen3_6_27b", hardware, *flags, overrides=(CHECKPOINT,)
+            )  # fmt: skip
     return out
 
 
@@ -132,10 +153,40 @@ def test_a_removed_or_unknown_flag_is_named(verdicts):
 
 def test_the_drafter_of_an_fp8_target_is_served_as_trained(commands, verdicts):
     """SGLang quantizes a draft model as it does the target unless told otherwise: with the
-    target in FP8, the bf16 drafter is served `unquant`, a value its parsers accept."""
-    for hardware in GPU_PROFILES:
-        name = f"qwen3_6_27b {hardware} dflash"
+    target in FP8, the bf16 drafter is served `unquant`, a value its parsers accept; beside a
+    pre-quantized checkpoint too. (vLLM leaves a draft unquantized unless told otherwise.)"""
+    for name in ("qwen3_6_27b pro6000x4 dflash", "qwen3_6_27b b200x8 dflash"):
         words = commands[name]
         assert words[words.index("--quantization") + 1] == "fp8"
         assert words[words.index("--speculative-draft-model-quantization") + 1] == "unquant"
         assert verdicts[name]["ok"], verdicts[name]
+    words = commands["qwen3_6_27b b200x8 dflash fp8 checkpoint"]
+    assert words[words.index("--speculative-draft-model-quantization") + 1] == "unquant"
+
+
+def test_a_served_checkpoint_replaces_the_model_and_its_quantization_flag(commands, verdicts):
+    for hardware in ("b200x8", "vllm_b200x8"):
+        for mode in ("own", "dflash"):
+            name = f"qwen3_6_27b {hardware} {mode} fp8 checkpoint"
+            words = commands[name]
+            assert "Qwen/Qwen3.6-27B-FP8" in words and "Qwen/Qwen3.6-27B" not in words
+            assert "--quantization" not in words
+            assert verdicts[name]["ok"], verdicts[name]
+
+
+def test_the_vllm_gpu_profile_serves_mtp_dflash_and_dflash2(commands, verdicts):
+    """`vllm serve` with 8 data-parallel engines; the target's MTP head as vLLM's `mtp`, and
+    both drafter families as its `dflash` method (vLLM picks DFlash2's model from the export's
+    `architectures`)."""
+    own = commands["qwen3_6_27b vllm_b200x8 own"]
+    assert own[2:4] == ["vllm.entrypoints.cli.main", "serve"]
+    assert own[own.index("--data-parallel-size") + 1] == "8" and "--enforce-eager" not in own
+    assert json.loads(own[own.index("--speculative-config") + 1]) == {
+        "method": "mtp", "num_speculative_tokens": 3,
+    }  # fmt: skip
+    for family, architecture in (("dflash", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel")):
+        name = f"qwen3_6_27b vllm_b200x8 {family}"
+        spec = json.loads(commands[name][commands[name].index("--speculative-config") + 1])
+        assert spec["method"] == "dflash" and verdicts[name]["ok"], verdicts[name]
+        config = json.loads((Path(spec["model"]) / "config.json").read_text(encoding="utf-8"))
+        assert config["architectures"] == [architecture]

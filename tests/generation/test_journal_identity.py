@@ -139,3 +139,26 @@ def test_another_engine_resumes_nothing(tmp_path, model_dir):
     assert asked == all_turns(tmp_path)  # every turn asked of the new engine
     journal = [json.loads(line) for line in (tmp_path / JOURNAL).read_text().splitlines()]
     assert journal[0]["identity"]["engine"].startswith("sglang")
+
+
+def test_another_served_checkpoint_resumes_nothing(tmp_path, model_dir):
+    """`model.serving.checkpoint` (here a local folder standing in for a pre-quantized copy of
+    the target) joins the engine's identity as the weights it holds: the tokens of the target's
+    own weights are set aside, and the new journal names the checkpoint's content hash."""
+    from draftline.core.target import target_id
+
+    server = StandIn(tmp_path)
+    make_workdir(tmp_path, model_dir, n=8, max_new_tokens=8, hardware=sglang_hardware(server.port))
+    served = shutil.copytree(model_dir, tmp_path / "served")
+    change_a_tensor(served)
+    with server:
+        first, _ = generate(tmp_path)
+        params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+        params["model"]["serving"] = {"checkpoint": {"path": str(served), "revision": None}}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        changed, stdout = generate(tmp_path)
+    assert_set_aside(changed, stdout, tmp_path)
+    assert changed["target_id"] == first["target_id"] == target_id(str(model_dir))  # bf16 target
+    journal = [json.loads(line) for line in (tmp_path / JOURNAL).read_text().splitlines()]
+    engine = journal[0]["identity"]["engine"]
+    assert f'"checkpoint":"{target_id(str(served))}"' in engine

@@ -38,7 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default: the profile's)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for /health")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for readiness, longer while the log shows progress "
+        "(default: generate.serve_timeout_s)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     parser.add_argument("--all", action="store_true", help="stop: every server start started")
     parser.add_argument(
@@ -78,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = sglang_server.with_speculation(p["model"], args.drafter, args.no_speculation)
         generate = p.get("generate") or {}
+        if args.timeout:  # the router waits for its engines as long as the start does
+            generate = {**generate, "serve_timeout_s": args.timeout}
         # SGLang's router times requests out after the client does, with its overrides.
         options = {"generate": generate} if server is sglang_server else {}
         where = {"host": args.host, "port": args.port}

@@ -7,6 +7,7 @@ prompt and the model profile's template kwargs (e.g. enable_thinking); every sta
 from __future__ import annotations
 
 import hashlib
+import uuid
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,34 @@ def weights_id(model: dict[str, Any]) -> str | None:
         return f"hub:{path}@{revision}"
     commit = cached_commit(path, str(revision or "main"))
     return f"hub:{path}@{commit}" if commit else None
+
+
+def served_checkpoint(model: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint the inference servers load: `model.serving.checkpoint` (`path` and
+    `revision`, e.g. a pre-quantized copy of the target such as Qwen/Qwen3.6-27B-FP8) when
+    the profile names one, else the target itself. Training and extraction always load the
+    target's own weights (`model.path`)."""
+    checkpoint = (model.get("serving") or {}).get("checkpoint")
+    if checkpoint:
+        return {"path": str(checkpoint["path"]), "revision": checkpoint.get("revision")}
+    return {"path": str(model["path"]), "revision": model.get("revision")}
+
+
+def served_weights_id(model: dict[str, Any]) -> str:
+    """The served checkpoint as the samples' engine identity records it: `weights_id` of it,
+    so the identity says which weights wrote the tokens. One that cannot be identified (a hub
+    id at a branch the local cache does not hold) gets an id of its own each run, so nothing
+    it wrote is ever resumed as another's, and a line says how to fix it."""
+    served = served_checkpoint(model)
+    weights = weights_id(served)
+    if weights is None:
+        print(
+            f"model.serving.checkpoint {model_ref(served)} is a hub id at no fixed commit and "
+            "not in the local Hugging Face cache: its tokens resume no journal. Pin its "
+            "revision to a commit"
+        )
+        weights = f"unidentified:{uuid.uuid4().hex}"
+    return weights
 
 
 CHUNK = 1 << 20

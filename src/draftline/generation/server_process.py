@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from draftline.generation.startup_watch import StartupWatch
 from draftline.runtime import atomic
 
 STATE_DIR = Path(".draftline/serve")
@@ -349,9 +350,13 @@ def launch(
     Ready: `/health` answers, and `ready(log)` (given the server's log) says nothing is
     missing (it returns what is, e.g. the engines a router still waits for, else None). Once
     ready, the state records the server's processes and `limits(log)`, its engines' limits. A
-    ready server launched earlier on the port is returned as it is. When the server exits or
-    is not ready within `timeout_s`, it is stopped and the error shows the last lines of its
-    log.
+    ready server launched earlier on the port is returned as it is.
+
+    How long it waits (`startup_watch`): `timeout_s`, and past it as long as the server's log
+    shows progress (a first start downloads the weights and compiles kernels): it ends at the
+    first silence of a third of `timeout_s`, or at 4 x `timeout_s`; the latest log line is
+    printed every 30 s meanwhile. When the server exits or the wait ends, it is stopped and the
+    error names the log and the flag to raise, then shows the log's last lines.
     """
     name = display(kind)
     log = root / LOG_DIR / f"{kind}-{port}.log"
@@ -384,6 +389,7 @@ def launch(
     with open(log, "ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         out.flush()
+        watch = StartupWatch(log, timeout_s, f"{name} on port {port}")
         try:
             proc = subprocess.Popen(
                 command,
@@ -411,8 +417,7 @@ def launch(
     code: int | None = None
     why_not: str | None = "/health does not answer"
     try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while not watch.expired():
             # Exit first: a foreign server on the port must not pass for ours.
             code = proc.poll()
             if code is not None:
@@ -426,6 +431,7 @@ def launch(
                 )
                 atomic.write_json(state_path(port, root, kind), state.__dict__)
                 return state
+            watch.poll()
             time.sleep(0.25)
     except BaseException:  # interrupted while waiting: leave no half-started server behind
         end_tree(state, 30.0, proc)
@@ -434,12 +440,12 @@ def launch(
     end_tree(state, 30.0, proc)
     state_path(port, root, kind).unlink(missing_ok=True)
     why = (
-        f"exited with code {code}"
+        f"exited with code {code} (stopped)"
         if code is not None
-        else f"not ready after {timeout_s:g}s: {why_not}"
+        else f"not ready {watch.waited()}: {why_not} (stopped); {watch.hint()}"
     )
     raise ServeError(
-        f"{name} server on port {port} {why} (stopped). Command: {shlex.join(command)}\n"
+        f"{name} server on port {port} {why}. Command: {shlex.join(command)}\n"
         f"Last lines of {log}:\n{log_tail(log)}"
     )
 

@@ -16,6 +16,7 @@ environment, or, in the tests, a stand-in server (SGLang needs a GPU).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -25,6 +26,7 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
+from draftline.core import target
 from draftline.generation import host_cache, timeouts
 from draftline.generation.server_process import (  # noqa: F401  (the lifecycle, re-exported)
     _DIRECT,
@@ -46,10 +48,12 @@ from draftline.generation.server_process import (  # noqa: F401  (the lifecycle,
     stop,
 )
 from draftline.generation.server_process import state_path as _state_path
+from draftline.generation.startup_watch import CEILING, StartupWatch
 
 PYTHON_ENV = "DRAFTLINE_SGLANG_PYTHON"
 LAUNCHER_ENV = "DRAFTLINE_SGLANG_LAUNCHER"
 PRIORITY_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
+DEFAULT_SERVE_TIMEOUT_S = 1800.0  # generate.serve_timeout_s when a run does not say
 
 
 def sglang_settings(profile: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +134,8 @@ def server_command(
     generate: dict[str, Any] | None = None,
 ) -> list[str]:
     """The SGLang launch command for this profile and target, flags in a stable order.
-    `generate`: the run's `generate` section, whose client timeout the router's must exceed."""
+    `generate`: the run's `generate` section, whose client timeout the router's must exceed
+    and whose `serve_timeout_s` sets how long the router waits for its engines to register."""
     sg = sglang_settings(profile)
     dp = int(sg.get("dp_size") or 1)
     module = "sglang_router.launch_server" if dp > 1 else "sglang.launch_server"
@@ -139,16 +144,19 @@ def server_command(
         cmd = shlex.split(launcher)
     else:
         cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m", module]
-    cmd += ["--model-path", str(model["path"])]
-    if model.get("revision"):
-        cmd += ["--revision", str(model["revision"])]
+    served = target.served_checkpoint(model)
+    cmd += ["--model-path", served["path"]]
+    if served["revision"]:
+        cmd += ["--revision", str(served["revision"])]
     cmd += ["--host", bind_host(profile, host)]
     cmd += ["--port", str(bind_port(profile, port))]
     cmd += ["--tp-size", str(int(sg.get("tp_size") or 1))]
     if dp > 1:
         cmd += ["--dp-size", str(dp)]
     serving = model.get("serving") or {}
-    if serving.get("quantization"):
+    served_other = bool(serving.get("checkpoint"))
+    if serving.get("quantization") and not served_other:
+        # A served checkpoint carries its quantization in its config.json: no flag then.
         cmd += ["--quantization", str(serving["quantization"])]
     if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
         cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
@@ -171,9 +179,10 @@ def server_command(
         ):
             if spec.get(key) is not None:
                 cmd += [flag, str(int(spec[key]))]
-        if spec.get("draft_model_path") and serving.get("quantization"):
+        if spec.get("draft_model_path") and (serving.get("quantization") or served_other):
             # SGLang quantizes a draft model as it does the target unless told otherwise
-            # (0.5.23, arg_groups/serving_hook.py): serve the drafter as it was trained.
+            # (0.5.23, arg_groups/serving_hook.py): serve the drafter as it was trained, beside
+            # a pre-quantized checkpoint too, whose quantization SGLang detects on loading.
             cmd += ["--speculative-draft-model-quantization", "unquant"]
     # A hybrid target needs no flag: `--mamba-radix-cache-strategy` defaults to `auto`, which
     # picks extra_buffer for Qwen3.5/3.6 (SGLang 0.5.23, arg_groups/overrides.py).
@@ -197,12 +206,27 @@ def server_command(
         router_s = timeouts.router_timeout_s(profile, max_new, gen.get("request_timeout_s"))
         cmd += ["--router-request-timeout-secs", str(router_s)]
         cmd += ["--router-disable-retries"]
+        # The router's cache-aware routing sends a retried turn back to the engine holding its
+        # prefix, dead or not, until that engine's circuit breaker opens: after 10 failures by
+        # default (sglang-router 0.3.2), so a turn lost alone with a dead engine spent every
+        # try there. Opened before the client's last try, that try reaches another engine.
+        cmd += ["--router-cb-failure-threshold", str(router_breaker_failures(gen))]
+        # The router drops engines not registered within its startup timeout (1800 s by
+        # default): as long as `serve start` may wait for a first start (`startup_watch`).
+        serve_s = float(gen.get("serve_timeout_s") or DEFAULT_SERVE_TIMEOUT_S)
+        cmd += ["--router-worker-startup-timeout-secs", str(math.ceil(serve_s * CEILING))]
     # We send and receive token ids only: the server needs no tokenizer of its own (nor a
     # reasoning parser, which SGLang builds only with a tokenizer).
     if sg.get("skip_tokenizer_init", True):
         cmd += ["--skip-tokenizer-init"]
     cmd += [str(a) for a in sg.get("extra_args") or []]
     return cmd
+
+
+def router_breaker_failures(generate: dict[str, Any]) -> int:
+    """Failed requests after which the router stops sending to an engine (its circuit
+    breaker): 3, or the client's retries when fewer, so a lost turn's last try goes elsewhere."""
+    return max(1, min(3, int(generate.get("max_retries", 5))))
 
 
 def cache_note(profile: dict[str, Any], model: dict[str, Any]) -> str | None:
@@ -266,8 +290,12 @@ def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]
 
 
 def serving_identity(model: dict[str, Any]) -> str:
-    """What the server computes, as recorded with every generated sample (sorted JSON)."""
-    return json.dumps(model.get("serving") or {}, sort_keys=True, separators=(",", ":"))
+    """What the server computes, as recorded with every generated sample (sorted JSON); a
+    served checkpoint as the weights it names (`target.served_weights_id`)."""
+    serving = dict(model.get("serving") or {})
+    if serving.get("checkpoint"):
+        serving["checkpoint"] = target.served_weights_id(model)
+    return json.dumps(serving, sort_keys=True, separators=(",", ":"))
 
 
 def server_url(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> str:
@@ -402,16 +430,21 @@ def recorded_limits(profile: dict[str, Any], root: Path = Path(".")) -> list[dic
 def wait_for_engines(profile: dict[str, Any], timeout_s: float, root: Path = Path(".")) -> None:
     """Before a stage talks to the router `serve start` launched on this node: wait until
     every engine behind it answers and the router serves them all (its `/health` alone says
-    nothing about them)."""
+    nothing about them). As long as `serve start` waits (`startup_watch`): `timeout_s`, and
+    past it while the server's log shows progress, printing its latest line now and then."""
     missing = engines_missing(profile)
     port = bind_port(profile)
     state = next((s for s in read_states(root) if s.port == port and s.kind == "sglang"), None)
     if missing is None or state is None:
         return
-    deadline = time.monotonic() + timeout_s
+    watch = StartupWatch(root / state.log, timeout_s, f"the SGLang router at {state.url}")
     while (why := missing(root / state.log)) is not None:
-        if time.monotonic() > deadline:
-            raise ServeError(f"the router at {state.url} is up but not ready: {why}")
+        if watch.expired():
+            raise ServeError(
+                f"the router at {state.url} is up but not ready: {why} ({watch.waited()}); "
+                f"{watch.hint()}"
+            )
+        watch.poll()
         time.sleep(1.0)
 
 
@@ -434,6 +467,8 @@ def start(
         raise ServeError(message)
     if note := cache_note(profile, model):
         print(note, file=sys.stderr)
+    # The router waits for its engines as long as this start does (`server_command`).
+    generate = {**(generate or {}), "serve_timeout_s": timeout_s}
     return launch(
         "sglang",
         server_command(profile, model, host=host, port=port, generate=generate),

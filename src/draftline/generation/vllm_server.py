@@ -12,7 +12,13 @@ for the version of a package named `vllm`, so it exits before parsing anything. 
 Speculative decoding comes from the model's `serving.speculative` block, as for SGLang: DFLASH
 with the exported drafter becomes
 `--speculative-config {"method": "dflash", "model": <drafter>, "num_speculative_tokens": block - 1}`
-(the block holds the anchor token and the drafted ones).
+(the block holds the anchor token and the drafted ones; a DFlash2 export is the same method, vLLM
+picks its model from the drafter's `architectures`), and NEXTN, the target's own MTP head,
+`{"method": "mtp", "num_speculative_tokens": num_steps}`. vLLM serves the drafter unquantized
+whatever the target's precision (its speculative `quantization` is None unless given).
+
+What is served: the model's `serving.checkpoint` when it names one (a pre-quantized checkpoint
+carries its quantization config: no `--quantization` then), else `model.path`.
 
 vLLM's CPU attention supports head_dim 32, 64, 80, 96, 112, 128, ... only: a target with a
 smaller head_dim fails at its first generate, so `check_servable` refuses it before launch.
@@ -26,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from draftline.core import target
 from draftline.generation.server_process import (
     ServeError,
     ServerState,
@@ -68,10 +75,17 @@ def speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | None:
     if not spec or not spec.get("algorithm"):
         return None
     algorithm = str(spec["algorithm"]).lower()
+    if algorithm == "nextn" and not spec.get("draft_model_path"):
+        # The target's own MTP head; SGLang's num_steps is vLLM's drafted tokens per step.
+        steps = spec.get("num_steps")
+        if steps is None and spec.get("num_draft_tokens") is not None:
+            steps = int(spec["num_draft_tokens"]) - 1
+        return {"method": "mtp", **({"num_speculative_tokens": int(steps)} if steps else {})}
     if algorithm != "dflash":
         raise ServeError(
             f"serving.speculative.algorithm {spec['algorithm']!r} is not wired for vLLM here: "
-            "only DFLASH (the exported drafter, `serve start --drafter`) is"
+            "only DFLASH (the exported drafter, `serve start --drafter`) and NEXTN (the "
+            "target's MTP head) are"
         )
     config: dict[str, Any] = {"method": "dflash", "model": str(spec["draft_model_path"])}
     if spec.get("num_draft_tokens") is not None:
@@ -89,13 +103,14 @@ def server_command(
 ) -> list[str]:
     """The vLLM launch command for this profile and target, flags in a stable order."""
     settings = vllm_settings(profile)
+    served = target.served_checkpoint(model)
     cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m"]
     if profile.get("device") == "cpu":
-        cmd += [CPU_MODULE, "--model", str(model["path"])]
+        cmd += [CPU_MODULE, "--model", served["path"]]
     else:
-        cmd += [MODULE, "serve", str(model["path"])]
-    if model.get("revision"):
-        cmd += ["--revision", str(model["revision"])]
+        cmd += [MODULE, "serve", served["path"]]
+    if served["revision"]:
+        cmd += ["--revision", str(served["revision"])]
     cmd += ["--host", bind_host(profile, host), "--port", str(bind_port(profile, port))]
     cmd += ["--dtype", str(settings.get("dtype") or "auto")]
     # The served context length (`model.serving.context_length`, which the client caps every
@@ -107,12 +122,17 @@ def server_command(
         cmd += ["--max-num-seqs", str(int(settings["max_num_seqs"]))]
     if settings.get("tp_size") and int(settings["tp_size"]) > 1:
         cmd += ["--tensor-parallel-size", str(int(settings["tp_size"]))]
+    if settings.get("dp_size") and int(settings["dp_size"]) > 1:
+        # One API server in front of dp_size engines, which vLLM balances itself.
+        cmd += ["--data-parallel-size", str(int(settings["dp_size"]))]
+    if settings.get("gpu_memory_utilization"):
+        cmd += ["--gpu-memory-utilization", str(settings["gpu_memory_utilization"])]
     if settings.get("enforce_eager", True):
         # Compiled start takes minutes on CPU and its cache does not reload: eager by default.
         cmd += ["--enforce-eager"]
     cmd += ["--seed", str(int(settings.get("seed") or 0))]
     serving = model.get("serving") or {}
-    if serving.get("quantization"):
+    if serving.get("quantization") and not serving.get("checkpoint"):
         cmd += ["--quantization", str(serving["quantization"])]
     if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
         cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
@@ -125,10 +145,14 @@ def server_command(
 
 def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:
     """The node's environment for vLLM (`vllm.env`; `kv_cache_gib` becomes
-    VLLM_CPU_KVCACHE_SPACE on CPU), then the model's (`serving.env`). Offline: the target and
-    drafter are local folders, never fetched."""
+    VLLM_CPU_KVCACHE_SPACE on CPU), then the model's (`serving.env`). Offline on CPU (the CPU
+    profile serves local folders) and wherever the served weights are a local folder; a GPU
+    node serving a hub id fetches it on its first start."""
     settings = vllm_settings(profile)
-    env: dict[str, Any] = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env: dict[str, Any] = {"VLLM_NO_USAGE_STATS": "1"}
+    served = target.served_checkpoint(model)["path"]
+    if str(profile.get("device") or "cpu") == "cpu" or target.is_local(served):
+        env["HF_HUB_OFFLINE"] = "1"
     if settings.get("kv_cache_gib"):
         env["VLLM_CPU_KVCACHE_SPACE"] = int(settings["kv_cache_gib"])
     env.update(settings.get("env") or {})
@@ -140,7 +164,8 @@ def check_servable(profile: dict[str, Any], model: dict[str, Any]) -> None:
     """Refuse, before a minutes-long start, a target vLLM's CPU attention cannot run."""
     if str(profile.get("device") or "cpu") != "cpu":
         return
-    config_file = Path(str(model["path"])) / "config.json"
+    served = target.served_checkpoint(model)["path"]
+    config_file = Path(served) / "config.json"
     if not config_file.is_file():
         return  # a hub id: vLLM itself says what is wrong
     config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -152,7 +177,7 @@ def check_servable(profile: dict[str, Any], model: dict[str, Any]) -> None:
     )
     if head_dim is not None and int(head_dim) not in CPU_HEAD_DIMS:
         raise ServeError(
-            f"vLLM's CPU attention cannot run {model['path']}: head_dim {head_dim} is not one of "
+            f"vLLM's CPU attention cannot run {served}: head_dim {head_dim} is not one of "
             f"{', '.join(map(str, CPU_HEAD_DIMS))}. Serve a target with a supported head size "
             "(e.g. a tiny target built with --heads 2: head_dim 32), or use the local engine"
         )

@@ -60,6 +60,8 @@ SCHEMA: Schema = {
             "kv_cache_dtype": None,
             "context_length": None,
             "deterministic_inference": None,
+            # The served weights when they are not model.path (a pre-quantized checkpoint).
+            "checkpoint": {"path": None, "revision": None},
             "speculative": OPEN,
             "env": OPEN,
         },
@@ -155,6 +157,8 @@ SCHEMA: Schema = {
             "max_model_len": None,
             "max_num_seqs": None,
             "tp_size": None,
+            "dp_size": None,
+            "gpu_memory_utilization": None,
             "enforce_eager": None,
             "seed": None,
             "kv_cache_gib": None,

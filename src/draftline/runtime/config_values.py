@@ -152,6 +152,9 @@ RULES: dict[str, Rule] = {
     "model.target_layer_ids": Rule("list"),
     "model.serving.context_length": count(null=True),
     "model.serving.deterministic_inference": FLAG,
+    # A served checkpoint other than model.path (`_served_checkpoint` checks the pair).
+    "model.serving.checkpoint.path": Rule("str"),
+    "model.serving.checkpoint.revision": Rule("str", null=True),
     "model.sampling.temperature": at_least(0),
     "model.sampling.top_p": TOP_P,
     "model.sampling.top_k": TOP_K,
@@ -220,11 +223,13 @@ RULES: dict[str, Rule] = {
     "hardware.sglang.host_cache_share_of_ram": Rule("number", low=0, high=1, low_open=True),
     "hardware.sglang.port": Rule("int", low=1, high=65535),
     "hardware.vllm.port": Rule("int", low=1, high=65535),
-    "hardware.vllm.max_model_len": count(),
+    "hardware.vllm.max_model_len": count(null=True),  # null: model.serving.context_length
     "hardware.vllm.max_num_seqs": count(),
     "hardware.vllm.tp_size": count(),
+    "hardware.vllm.dp_size": count(),
+    "hardware.vllm.gpu_memory_utilization": Rule("number", low=0, high=1, low_open=True),
     "hardware.vllm.max_in_flight": count(),
-    "hardware.vllm.kv_cache_gib": positive(),
+    "hardware.vllm.kv_cache_gib": positive(null=True),  # null: not a CPU build
     "quality.max_error_share": share(),
     "quality.min_supervised_tokens": count(0),
     "quality.min_share_supervised": share(),
@@ -290,7 +295,7 @@ def problems(data: dict[str, Any], sources: Mapping[str, str] | None = None) -> 
         shown = "null" if value is None else repr(value)
         copied = f" (copied to {path})" if key != path else ""
         out.append(f"{key}={shown} must be {why}{copied}; {fix(key)}")
-    return out + _sources(data) + _relations(data)
+    return out + _sources(data) + _relations(data) + _served_checkpoint(data)
 
 
 def _sources(data: dict[str, Any]) -> list[str]:
@@ -302,6 +307,25 @@ def _sources(data: dict[str, Any]) -> list[str]:
             "-S 'data.sources=[data/my-set]'`)"
         ]
     return []
+
+
+def _served_checkpoint(data: dict[str, Any]) -> list[str]:
+    """`model.serving.checkpoint`: absent, null, or a mapping naming the checkpoint's path."""
+    present, checkpoint = _get(data, "model.serving.checkpoint")
+    if not present or checkpoint is None:
+        return []
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("path"), str):
+        unknown = sorted(set(checkpoint) - {"path", "revision"})
+        if not unknown:
+            return []
+        return [
+            f"model.serving.checkpoint has unknown key(s) {', '.join(unknown)}: it takes path "
+            "and revision only"
+        ]
+    return [
+        f"model.serving.checkpoint={checkpoint!r} must name the served weights: `draftline "
+        "compose '+model.serving.checkpoint={path: Qwen/Qwen3.6-27B-FP8, revision: <commit>}'`"
+    ]
 
 
 def _relations(data: dict[str, Any]) -> list[str]:
