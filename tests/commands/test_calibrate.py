@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers.embedded_run import BIN, ENV, copy_project, run
+from helpers.generate_helpers import StandIn, build_random_target, make_workdir, sglang_hardware
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,49 @@ def test_a_kill_mid_calibration_leaves_nothing_behind(curated: Path) -> None:
     proc.wait(timeout=60)
     assert not list((curated / "logs").glob("calibration/*")), "a kill left a calibration"
     assert state(curated) == before
+
+
+def test_extract_and_train_run_over_the_profiles_processes(curated: Path, tmp_path: Path) -> None:
+    """A profile of two processes per node (gloo on the CPU, as NCCL over a node's GPUs):
+    both parts run as two workers of one process group, and the figures are the node's."""
+    p = yaml.safe_load((curated / "params.yaml").read_text())
+    p["hardware"].update(processes_per_node=2, sharding="fsdp")
+    two = tmp_path / "two.yaml"  # outside the project: git and dvc see no change
+    two.write_text(yaml.safe_dump(p))
+    before = state(curated)
+    done = run(
+        ["draftline", "calibrate", "--minutes", "0.3", "--stages", "extract,train",
+         "--params", str(two), "--out-dir", str(tmp_path / "out"), "--no-progress"],
+        curated,
+    )  # fmt: skip
+    assert "extract, train over 2 processes" in done.stdout, done.stdout
+    record = json.loads((tmp_path / "out/cpu.json").read_text())
+    extract, train = record["parts"]["extract"], record["parts"]["train"]
+    assert extract["world_size"] == 2 and train["world_size"] == 2, record["parts"]
+    assert train["sharding"] == "fsdp"
+    # Each worker extracted its own share: the node's tokens are both shares' sum.
+    assert extract["tokens"] > 0 and extract["tokens_per_s"] == pytest.approx(
+        extract["tokens"] / extract["seconds"]
+    )
+    assert record["skipped"] == {}
+    assert state(curated) == before
+    assert not list(Path(tempfile.gettempdir()).glob("draftline-calibrate-*/parts.json"))
+
+
+def test_generate_reports_the_engines_prefix_cache(tmp_path: Path) -> None:
+    """The generate part through the SGLang client against the SGLang stand-in
+    (tests/helpers/sglang_standin.py: SGLang needs a GPU), which reports `cached_tokens` as
+    SGLang's radix cache would: a later turn finds its history cached."""
+    model = build_random_target(tmp_path / "target")
+    with StandIn(tmp_path, "--mode", "think") as server:
+        make_workdir(tmp_path / "w", model, multi_turn=True, hardware=sglang_hardware(server.port))
+        done = run(
+            ["draftline", "calibrate", "--minutes", "0.1", "--stages", "generate",
+             "--no-progress"],
+            tmp_path / "w",
+        )  # fmt: skip
+    record = json.loads((tmp_path / "w/logs/calibration/test-sglang.json").read_text())
+    cache = record["parts"]["generate"]["prefix_cache"]
+    assert cache["turns"] == record["parts"]["generate"]["turns_generated"]
+    assert 0 < cache["cached_tokens"] < cache["prompt_tokens"]
+    assert "prefix cache" in done.stdout

@@ -19,6 +19,10 @@ It speaks SGLang's native protocol faithfully for what draftline uses:
   `max_total_num_tokens` (`--max-total-num-tokens`) and `internal_states` with the cap the
   scheduler settled on, `effective_max_running_requests_per_dp`: the configured one, or
   `--running-cap` when that is lower (SGLang lowers it to what memory and CUDA graphs allow);
+- `GET /model_info` (and its deprecated alias `/get_model_info`), SGLang 0.5.23's fields: the
+  `--model-path` served (also its tokenizer path and served name, as SGLang defaults them). The
+  real router (sglang-router 0.3.2) asks it when it registers a worker, and loads the tokenizer
+  from that path: a local folder in tests, never a hub id;
 - a router in front of DP engines when started with `--dp-size N` (N > 1), as
   `python -m sglang_router.launch_server` (sglang-router 0.3.2) is: it starts N engines on ports
   of their own, logging `Launching DP server process <i> on port <port>` for each as its
@@ -48,7 +52,8 @@ Faults, for the fault tests: `--p500` / `--p429` (share of requests answered 500
 ID hits a NaN step: SGLang's `"matched": "NaN happened"` stop). `--log FILE` appends every received
 `rid` (flushed), so tests count what was generated; `--timing-log FILE` appends `<arrived>
 <answered> <rid>` (monotonic seconds) per answer, so tests measure how many requests the server
-had in flight. `--argv-log FILE` records the command line.
+had in flight. `--argv-log FILE` records the command line; `--body-log FILE` appends every
+`/generate` body as received (what a router in front forwarded).
 """
 
 from __future__ import annotations
@@ -146,12 +151,28 @@ class StandIn:
         self.rng = random.Random(opts.seed)
         self.ready_at = time.monotonic() + opts.startup_delay
         self.answers = 0
+        # Sequences served so far (prompt + answer), for `cached_tokens`: as SGLang's radix
+        # cache, the longest prefix of a new prompt that an earlier request computed.
+        self.served: list[list[int]] = []
         self.log = open(opts.log, "a", encoding="utf-8") if opts.log else None  # noqa: SIM115
         self.timing = (
             open(opts.timing_log, "a", encoding="utf-8")  # noqa: SIM115
             if opts.timing_log
             else None
         )
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """The longest prefix of `prompt` an earlier request held (never the whole prompt:
+        SGLang computes at least its last token)."""
+        best = 0
+        for seq in self.served[-4096:]:
+            n = 0
+            for a, b in zip(seq, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(prompt) - 1)
 
     async def health(self, request: web.Request) -> web.Response:
         if time.monotonic() < self.ready_at:
@@ -173,10 +194,29 @@ class StandIn:
             }
         )
 
+    async def model_info(self, request: web.Request) -> web.Response:
+        path = self.opts.model_path
+        return web.json_response(
+            {
+                "model_path": path,
+                "served_model_name": path,
+                "tokenizer_path": path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         try:
-            data = json.loads(await request.read())
+            raw = await request.read()
+            if self.opts.body_log:
+                with open(self.opts.body_log, "ab") as f:
+                    f.write(raw + b"\n")
+            data = json.loads(raw)
             rid = data.get("rid")
             if self.log:
                 self.log.write(f"{rid}\n")
@@ -215,8 +255,9 @@ class StandIn:
                 "finish_reason": gen["reason"],
                 "prompt_tokens": len(prompt),
                 "completion_tokens": n,
-                "cached_tokens": 0,
+                "cached_tokens": self.cached_prefix(prompt),
             }
+            self.served.append([*prompt, *gen["output_ids"]])
             if o.speculative_algorithm:
                 per_step = min(o.accept_length, (o.speculative_num_draft_tokens or 16))
                 # The prefill writes the first token: an answer of one token had no verify
@@ -267,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None)
     p.add_argument("--timing-log", default=None)
     p.add_argument("--argv-log", default=None)
+    p.add_argument("--body-log", default=None, help="appends every /generate body received")
     p.add_argument("--step-s", type=float, default=0.0, help="seconds per target forward")
     p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")
     # SGLang's own flags this stand-in honours (the rest of a real command line is ignored).
@@ -275,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--model-path", default=None)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-total-num-tokens", type=int, default=1_000_000)
@@ -294,6 +337,8 @@ def make_app(opts: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", server.health)
     app.router.add_get("/server_info", server.server_info)
     app.router.add_get("/get_server_info", server.server_info)
+    app.router.add_get("/model_info", server.model_info)
+    app.router.add_get("/get_model_info", server.model_info)
     app.router.add_post("/generate", server.generate)
     return app
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from draftline.ops import calibration, planning
-from draftline.ops.plan_figures import calibration_of, profile_throughput, resolve_inputs
-from draftline.ops.plan_tables import print_plan
+from draftline.ops import calibration
+from draftline.ops.plan import build as planning
+from draftline.ops.plan.figures import calibration_of, profile_throughput, resolve_inputs
+from draftline.ops.plan.tables import print_plan
 from draftline.runtime import hardware, params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,3 +117,28 @@ def test_the_plans_turns_and_prefill_come_from_the_calibration(composed: dict) -
     assert gen.prefill_tokens.value == 2.5 * 40.0 and gen.prefill_tokens.measured
     estimated = planning.generation_work(composed, {"curate": {}}, inputs)
     assert not estimated.turns.measured
+
+
+def test_the_prefix_cache_share_counts_the_turns_whose_engine_reports_it() -> None:
+    from draftline.generation.engines.sglang import parse_response
+    from draftline.generation.engines.vllm import parse_completion
+
+    sglang = parse_response(
+        "a", {"output_ids": [5, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
+              "prompt_tokens": 100, "cached_tokens": 60}}, 2,
+    )  # fmt: skip
+    vllm = parse_completion(
+        "b", {"choices": [{"token_ids": [5, 2], "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 40}}}, 2,
+    )  # fmt: skip
+    silent = parse_completion("c", {"choices": [{"token_ids": [2], "finish_reason": "stop"}]}, 2)
+    assert (sglang.prompt_tokens, sglang.cached_tokens) == (100, 60)
+    assert (vllm.prompt_tokens, vllm.cached_tokens) == (50, 40)
+    assert silent.cached_tokens is None
+    cache = calibration.PrefixCache()
+    assert cache.figures() == "not reported by this engine"
+    for result in (sglang, vllm, silent):
+        cache.add(result)
+    assert cache.figures() == {
+        "turns": 2, "prompt_tokens": 150, "cached_tokens": 100, "hit_share": round(100 / 150, 4)
+    }  # fmt: skip

@@ -19,11 +19,14 @@ touched, and the generated turns are dropped). `draftline doctor` says when it i
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from draftline.ops import calibration
-from draftline.runtime import atomic, hardware, params
+from draftline.runtime import atomic, distributed, hardware, params
 
 
 def stages(text: str) -> list[str]:
@@ -52,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"where <profile>.json goes (default {calibration.CALIBRATION_DIR})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # A worker of a multi-process calibration (`in_processes`): its input and output folder.
+    parser.add_argument("--worker-dir", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,12 +64,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("calibrate: --minutes must be > 0")
     p = params.load(args.params)
     profile = hardware.resolve_profile(p["hardware"])
+    if args.worker_dir is not None:
+        return run_worker(args.worker_dir, p, profile, not args.no_progress)
     budget = calibration.split_budget(args.minutes, args.stages)
     progress = not args.no_progress
-
-    def say(line: str) -> None:
-        print(f"calibrate: {line}", flush=True)
-
     say(
         f"profile {profile.get('name')}, {args.minutes:g} min: "
         + ", ".join(f"{k} {v:.0f} s" for k, v in budget.items())
@@ -72,26 +75,23 @@ def run(args: argparse.Namespace) -> int:
     parts: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     sequences: list[list[int]] = []
-    for part in args.stages:
+    if "generate" in args.stages:
         try:
-            if part == "generate":
-                parts[part], sequences = calibration.measure_generation(
-                    p, profile, budget[part], say, progress
-                )
-            elif part == "extract":
-                parts[part] = calibration.measure_extraction(
-                    p, profile, sequences, budget[part], progress
-                )
-            else:
-                parts[part] = calibration.measure_training(
-                    p, profile, sequences, budget[part], progress
-                )
+            parts["generate"], sequences = calibration.measure_generation(
+                p, profile, budget["generate"], say, progress
+            )
+            say(summary("generate", parts["generate"]))
         except (calibration.PartSkipped, SystemExit, Exception) as exc:
-            # One line and on to the next part: a missing server must not cost the others.
-            skipped[part] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            say(f"{part} not measured: {skipped[part]}")
-            continue
-        say(summary(part, parts[part]))
+            skipped["generate"] = one_line(exc)
+            say(f"generate not measured: {skipped['generate']}")
+    later = {k: v for k, v in budget.items() if k != "generate"}
+    processes = hardware.Execution.of(profile).processes_per_node
+    if later and processes > 1 and not distributed.launched_by_torchrun():
+        measured, failed = in_processes(processes, args, later, sequences)
+    else:
+        measured, failed = measure_parts(p, profile, later, sequences, progress, keep_going=True)
+    parts.update(measured)
+    skipped.update(failed)
     if not parts:
         say("nothing measured; nothing written")
         return 1
@@ -110,6 +110,84 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def say(line: str) -> None:
+    print(f"calibrate: {line}", flush=True)
+
+
+def first_process() -> bool:
+    """The worker that speaks and writes (each part closes its process group: the
+    environment, not the group, says which this is)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def measure_parts(
+    p: dict[str, Any], profile: dict[str, Any], budget: dict[str, float],
+    sequences: list[list[int]], progress: bool, keep_going: bool,
+) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+    """The extract and train parts in this process (one of several under `in_processes`).
+    `keep_going`: a part that fails says why in one line and the next runs; a worker instead
+    stops at once, as its peers would otherwise wait in a collective."""
+    first = first_process()
+    parts: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for part, seconds in budget.items():
+        measure = (
+            calibration.measure_extraction if part == "extract" else calibration.measure_training
+        )
+        try:
+            parts[part] = measure(p, profile, sequences, seconds, progress)
+        except calibration.PartSkipped as exc:
+            skipped[part] = one_line(exc)
+        except (SystemExit, Exception) as exc:
+            if not keep_going:
+                raise
+            skipped[part] = one_line(exc)
+        if first:
+            say(
+                summary(part, parts[part])
+                if part in parts
+                else f"{part} not measured: {skipped[part]}"
+            )
+    return parts, skipped
+
+
+def in_processes(
+    processes: int, args: argparse.Namespace, budget: dict[str, float], sequences: list[list[int]]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The extract and train parts over the profile's processes, as their stages run: this
+    command again as that many workers (`distributed.run_in_local_processes`), handed the
+    generated sequences and the budget through a temporary folder outside the project."""
+    with tempfile.TemporaryDirectory(prefix="draftline-calibrate-") as folder:
+        work = Path(folder)
+        (work / "input.json").write_text(json.dumps({"budget": budget, "sequences": sequences}))
+        say(f"{', '.join(budget)} over {processes} processes")
+        argv = ["draftline", "calibrate", "--params", args.params, "--worker-dir", folder]
+        code = distributed.run_in_local_processes(
+            processes, argv + (["--no-progress"] if args.no_progress else [])
+        )
+        result = work / "parts.json"
+        if code != 0 or not result.exists():
+            why = f"the {processes} worker processes failed (exit {code}; their output above)"
+            return {}, dict.fromkeys(budget, why)
+        done = json.loads(result.read_text())
+        return done["parts"], done["skipped"]
+
+
+def run_worker(folder: Path, p: dict[str, Any], profile: dict[str, Any], progress: bool) -> int:
+    """One worker of `in_processes`: measure, and the first writes what the node measured."""
+    given = json.loads((folder / "input.json").read_text())
+    parts, skipped = measure_parts(
+        p, profile, given["budget"], given["sequences"], progress, keep_going=False
+    )
+    if first_process():
+        atomic.write_json(folder / "parts.json", {"parts": parts, "skipped": skipped})
+    return 0
+
+
 def summary(part: str, figures: dict[str, Any]) -> str:
     """One line per part: its rate and what it was measured over."""
     gib = figures.get("peak_gpu_bytes")
@@ -119,12 +197,19 @@ def summary(part: str, figures: dict[str, Any]) -> str:
         lengths = figures["completion_tokens"] or {}
         turns = figures["turns_per_conversation"] or {}
         rate = figures["output_tok_s"]
+        cache = figures.get("prefix_cache")
+        cached = (
+            f", prefix cache {cache['hit_share']:.0%} of prompt tokens"
+            if isinstance(cache, dict)
+            else ""
+        )
         return (
             f"generate: {'n/a' if rate is None else f'{rate:,.1f}'} out tok/s "
             f"({figures['steady_state']}), {figures['turns_generated']} turns, completion "
             f"mean {lengths.get('mean', 0):,.0f} (p90 {lengths.get('p90', 0):,.0f}), "
             f"{turns.get('mean', 0):.2f} turns/conversation, cap {figures['running_cap']} "
             f"in flight (mean {figures['mean_in_flight']}), finish {figures['finish_reasons']}"
+            f"{cached}"
         )
     if part == "extract":
         return (

@@ -22,7 +22,7 @@ last turn: its prompt (every earlier answer in it, as the template shows history
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from draftline.core.loss_mask import SpecialIds, completion_stats, prompt_opens_think
@@ -77,7 +77,7 @@ class Conversation:
         if cap >= self.sampling.max_new_tokens:
             return result
         reason = CONTEXT_FULL if result.finish_reason == "length" else result.finish_reason
-        return Result(result.id, result.completion_ids, reason, result.error, cap)
+        return replace(result, finish_reason=reason, max_new_tokens=cap)
 
     def remaining_turns(self) -> int:
         return 0 if self.done() else len(self.turns) - len(self.results)

@@ -275,12 +275,14 @@ def measure_generation(
         turns: list[dict[str, Any]] = []
         reasons: Counter[str] = Counter()
         sequences: list[list[int]] = []
+        cache = PrefixCache()
 
         def on_result(work: _Sampled, result: Any) -> None:
             conversation = work.conversation
             k = len(conversation.results)
             result = conversation.take(result)
             reasons[result.finish_reason] += 1
+            cache.add(result)
             if result.finish_reason == "error":
                 work.failed = True
                 return
@@ -313,14 +315,40 @@ def measure_generation(
                 "mean_in_flight": round(scheduler.mean_in_flight(), 2),
                 "peak_in_flight": scheduler.peak_in_flight,
                 "finish_reasons": dict(reasons),
-                "prefix_cache": getattr(engine, "prefix_cache_stats", lambda: None)()
-                or "not reported by this engine",
+                "prefix_cache": cache.figures(),
                 "sampled_conversations": len(conversations),
             }
         )
     finally:
         engine.close()
     return figures, sequences
+
+
+class PrefixCache:
+    """Prompt tokens the engine served from its prefix cache, over the turns that say (SGLang's
+    `meta_info.cached_tokens`; vLLM's `usage.prompt_tokens_details` when it is started with
+    `--enable-prompt-tokens-details`): a multi-turn conversation's later turns should find
+    their history cached, and a low share means the engine evicts it between turns."""
+
+    def __init__(self) -> None:
+        self.turns = self.prompt_tokens = self.cached_tokens = 0
+
+    def add(self, result: Any) -> None:
+        if result.prompt_tokens is None or result.cached_tokens is None:
+            return
+        self.turns += 1
+        self.prompt_tokens += result.prompt_tokens
+        self.cached_tokens += result.cached_tokens
+
+    def figures(self) -> dict[str, Any] | str:
+        if not self.turns:
+            return "not reported by this engine"
+        return {
+            "turns": self.turns,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_share": round(self.cached_tokens / max(1, self.prompt_tokens), 4),
+        }
 
 
 def generation_figures(
@@ -403,22 +431,49 @@ def measure_extraction(
     """The target forward as extraction runs it, over the measured sequences."""
     from draftline.core.target import load_model
     from draftline.ops import calibration_parts as parts
+    from draftline.runtime import distributed
 
     execution, device = _device(profile)
     rows, source = training_sequences(sequences, p)
+    # As the stage does: each process extracts its share of the sequences with a whole target.
+    rank, world = parts.join_world(device)
+    rows = (rows * -(-world // len(rows)))[rank::world]  # a share of at least one each
     model = load_model(p["model"], device=str(device), dtype=execution.precision)
     layer_ids = [int(i) for i in p["model"]["target_layer_ids"]]
-    bar = TimeBar("extract", budget_s, progress)
+    bar = TimeBar("extract", budget_s, progress and rank == 0)
     try:
         result = parts.time_extraction(
             model, rows, layer_ids, execution.extract_tokens_per_batch, device,
             budget_s=budget_s, on_batch=bar.add,
         )  # fmt: skip
+        result = node_extraction(result, world)
     finally:
         bar.close()
+        distributed.close()
     peak, peak_source = parts.peak_flops(device)
-    parts.add_mfu(result, peak)
-    return {**result, "sequences_from": source, "peak_source": peak_source, "world_size": 1}
+    parts.add_mfu(result, peak, world)
+    return {**result, "sequences_from": source, "peak_source": peak_source}
+
+
+def node_extraction(result: dict[str, Any], world: int) -> dict[str, Any]:
+    """One process's extraction figures as the node's: tokens summed over the processes, over
+    the slowest one's seconds."""
+    from draftline.runtime import distributed
+
+    summed = ("sequences", "tokens", "padded_tokens", "flops")
+    totals = distributed.all_sum([result[k] or 0 for k in summed])
+    seconds = distributed.all_max(result["seconds"])
+    node = {**result, **{k: int(v) for k, v in zip(summed, totals, strict=True)}}
+    if result["flops"] is None:
+        node["flops"] = None
+    peak = result["peak_gpu_bytes"]
+    return {
+        **node,
+        "seconds": seconds,
+        "tokens_per_s": node["tokens"] / seconds,
+        "peak_gpu_bytes_max": None if peak is None else int(distributed.all_max(peak)),
+        "world_size": world,
+    }
 
 
 def measure_training(

@@ -250,7 +250,9 @@ def time_training(
         losses.append(step())
         if on_step:
             on_step(sequence_tokens * world)
-        elapsed = time.perf_counter() - began
+        # The slowest rank's clock: every rank stops after the same step (FSDP's collectives
+        # hang when one rank takes a step the others don't).
+        elapsed = distributed.all_max(time.perf_counter() - began)
         if steps is not None and len(losses) >= steps:
             break
         if steps is None and (budget_s is None or elapsed >= budget_s):

@@ -64,6 +64,12 @@ class Sampling:
         return (self.seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**31
 
 
+def count_or_none(value: Any) -> int | None:
+    """A token count an engine reported, or None where it reported none."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
 def stop_ids(end_of_turn: int, eos: int | None) -> list[int]:
     """The tokens that end a turn on every engine: the end-of-turn token and the model's EOS
     (`model.eos_token_id`; SGLang stops on the model's EOS whatever it is asked, and its
@@ -95,6 +101,10 @@ class Result:
     error: str | None = None
     # The turn's cap when the context left less than max_new_tokens (journaled with the turn).
     max_new_tokens: int | None = None
+    # Prompt tokens the engine counted and those it served from its prefix cache, where it
+    # reports them (SGLang's meta_info, vLLM's usage); calibrate's prefix-cache hit rate.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 OnResult = Callable[[Result], None]

@@ -41,6 +41,7 @@ from draftline.generation.engines.base import (
     Request,
     Result,
     Sampling,
+    count_or_none,
     generate_all,
     stop_ids,
 )
@@ -109,8 +110,16 @@ def parse_response(
 ) -> Result:
     """A Result from one `/generate` answer; ids kept exactly as returned, cut after the first
     stop token (end of turn or EOS)."""
-    stops = stop_ids(end_of_turn, eos)
     meta = body.get("meta_info") or {}
+    result = _finished(sample_id, body, meta, stop_ids(end_of_turn, eos))
+    result.prompt_tokens = count_or_none(meta.get("prompt_tokens"))
+    result.cached_tokens = count_or_none(meta.get("cached_tokens"))
+    return result
+
+
+def _finished(
+    sample_id: str, body: dict[str, Any], meta: dict[str, Any], stops: list[int]
+) -> Result:
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind == "abort" or "output_ids" not in body:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from draftline.core.loss_mask import cut_at_stop
-from draftline.generation.engines.base import Request, Result, Sampling, stop_ids
+from draftline.generation.engines.base import Request, Result, Sampling, count_or_none, stop_ids
 from draftline.generation.engines.sglang import ClientSettings, SGLangEngine
 
 ENDPOINTS_ENV = "DRAFTLINE_VLLM_ENDPOINTS"
@@ -45,7 +45,17 @@ def parse_completion(
 ) -> Result:
     """A Result from one `/v1/completions` answer; ids kept exactly as returned, cut after the
     first stop token (end of turn or EOS)."""
-    stops = stop_ids(end_of_turn, eos)
+    result = _finished(sample_id, body, stop_ids(end_of_turn, eos))
+    # vLLM counts cached prompt tokens only when started with --enable-prompt-tokens-details.
+    usage = body.get("usage") or {}
+    result.prompt_tokens = count_or_none(usage.get("prompt_tokens"))
+    result.cached_tokens = count_or_none(
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    )
+    return result
+
+
+def _finished(sample_id: str, body: dict[str, Any], stops: list[int]) -> Result:
     choices = body.get("choices") or []
     if not choices or not isinstance(choices[0], dict) or choices[0].get("token_ids") is None:
         return Result(id=sample_id, error=f"answer without token_ids: {str(body)[:300]}")
