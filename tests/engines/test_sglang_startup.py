@@ -114,10 +114,10 @@ def setup(tmp_path_factory) -> dict[str, Any]:
                 add(f"{name} {hardware} {mode} bf16", argv, hardware)
             deterministic = dry_run(tmp, name, hardware, overrides=DETERMINISTIC)
             add(f"deterministic {hardware}", deterministic, hardware)
-            hicache = ["--enable-hierarchical-cache", "--hicache-size", "1"]
-            add(f"deterministic {hardware} + hicache", deterministic + hicache, hardware)
-            triton = deterministic + hicache + ["--attention-backend", "triton"]
-            add(f"deterministic {hardware} + hicache, triton", triton, hardware)
+            # The negative case: the same command line leaving the backend to SGLang.
+            at = deterministic.index("--attention-backend")
+            unset = deterministic[:at] + deterministic[at + 2 :]
+            add(f"deterministic {hardware}, backend unset", unset, hardware)
             drafted = cases[f"{name} {hardware} dflash"]["argv"]
             at = drafted.index("--speculative-draft-model-quantization")
             add(
@@ -200,44 +200,37 @@ def test_the_drafter_stays_unquantized_with_fp8_serving(results):
         assert unset["memory"]["draft_quantization"] == "fp8"
 
 
-def test_deterministic_inference_with_the_hierarchical_cache_fails_as_sglang_fails(results):
-    """On the RTX PRO 6000 (SM120) SGLang runs deterministic inference on flashinfer, turns
-    the radix cache off, and refuses the hierarchical cache without it. On B200 (SM100) the
-    Qwen3.5 override has already chosen trtllm_mha, which deterministic inference refuses."""
-    pro = results["deterministic pro6000x4 + hicache"]
+def test_deterministic_inference_with_the_hierarchical_cache_fails_as_sglang_fails(setup, results):
+    """Deterministic inference with the hierarchical cache and the attention backend left to
+    SGLang: on the RTX PRO 6000 (SM120) SGLang falls back to flashinfer, turns the radix cache
+    off, and refuses the hierarchical cache without it; on B200 (SM100) the Qwen3.5 defaults
+    have already chosen trtllm_mha, which deterministic inference refuses."""
+    for hardware in GPU_PROFILES:
+        argv = setup["cases"][f"deterministic {hardware}, backend unset"]["argv"]
+        assert "--enable-hierarchical-cache" in argv and "--attention-backend" not in argv
+    pro = results["deterministic pro6000x4, backend unset"]
     assert not pro["ok"]
     assert pro["error"].startswith("resolve: ValueError: The arguments enable-hierarchical-cache")
     assert "disable-radix-cache are mutually exclusive" in pro["error"]
-    b200 = results["deterministic b200x8 + hicache"]
+    b200 = results["deterministic b200x8, backend unset"]
     assert not b200["ok"]
     assert b200["error"].startswith("resolve: ValueError: Currently only")
     assert "you explicitly specified 'trtllm_mha'" in b200["error"]
 
 
-def test_draftline_deterministic_command_lines(results):
-    """draftline drops the hierarchical cache under deterministic inference; neither GPU
-    profile starts with it as SGLang 0.5.23 resolves it. On B200 the Qwen3.5 override's
-    trtllm_mha is refused (above). On the RTX PRO 6000 flashinfer turns the radix cache off,
-    and without it the state pool holds `--max-running-requests` slots plus the speculative
-    intermediate states of each (`_handle_max_mamba_cache`): 256 x 5 x 154 MB leave the KV
-    cache nothing. Naming a deterministic backend that keeps the radix cache
-    (`--attention-backend triton`) starts on both, with the hierarchical cache. When draftline's
-    command lines start, this test fails: assert that instead."""
-    pro = results["deterministic pro6000x4"]
-    assert pro["resolved"]["enable_deterministic_inference"]
-    assert pro["resolved"]["attention_backend"] == "flashinfer"
-    assert pro["resolved"]["disable_radix_cache"]
-    assert not pro["resolved"]["enable_hierarchical_cache"]
-    assert not pro["ok"]
-    assert pro["error"].startswith("memory: ValueError: Loaded weights leave no GPU memory")
-    b200 = results["deterministic b200x8"]
-    assert not b200["ok"] and "you explicitly specified 'trtllm_mha'" in b200["error"]
+def test_draftline_deterministic_command_lines_start_with_both_caches(results):
+    """draftline serves deterministic inference on triton attention, which SGLang runs
+    batch-invariantly with the radix cache: both GPU profiles resolve and size their memory,
+    with the radix and hierarchical caches on."""
     for hardware in GPU_PROFILES:
-        triton = results[f"deterministic {hardware} + hicache, triton"]
-        assert triton["ok"], triton["error"]
-        assert not triton["resolved"]["disable_radix_cache"]
-        assert triton["resolved"]["enable_hierarchical_cache"]
-        assert triton["memory"]["max_running_requests"] > 0
+        result = results[f"deterministic {hardware}"]
+        assert result["ok"], result["error"]
+        resolved = result["resolved"]
+        assert resolved["enable_deterministic_inference"]
+        assert resolved["attention_backend"] == "triton"
+        assert not resolved["disable_radix_cache"]
+        assert resolved["enable_hierarchical_cache"]
+        assert result["memory"]["max_running_requests"] > 0
 
 
 def test_the_host_pool_fits_what_sglang_leaves_it(results):
@@ -316,8 +309,8 @@ def test_sglang_caps_equals_sglang_s_own_configurator(results, setup, capsys):
             " state slots, attention)"
         )
         print("\n".join(rows))
-        for hardware in GPU_PROFILES:  # the backend deterministic mode could name instead
-            memory = results[f"deterministic {hardware} + hicache, triton"]["memory"]
+        for hardware in GPU_PROFILES:  # draftline's deterministic command line
+            memory = results[f"deterministic {hardware}"]["memory"]
             print(
                 f"{'qwen3_6_27b ' + hardware + ' deterministic, triton':32s} "
                 f"{memory['max_running_requests']:>5d} (SGLang's figure)"

@@ -44,14 +44,22 @@ def test_the_router_waits_longer_than_an_overridden_client_timeout(tmp_path, cap
     assert longer > int(flag(default, "--router-request-timeout-secs"))
 
 
-def test_deterministic_inference_drops_the_hierarchical_cache_and_says_so(tmp_path, capsys):
+def test_deterministic_inference_runs_triton_attention_and_keeps_the_caches(tmp_path, capsys):
+    """The backend SGLang 0.5.23 runs deterministically with the radix cache (left to itself
+    it starts neither GPU profile: tests/engines/test_sglang_startup.py runs its resolution)."""
     words, err = dry_run(tmp_path, capsys, "model.serving.deterministic_inference=true")
     assert "--enable-deterministic-inference" in words
-    assert "--enable-hierarchical-cache" not in words and "--hicache-size" not in words
+    assert flag(words, "--attention-backend") == "triton"
+    assert "--enable-hierarchical-cache" in words and "--hicache-size" in words
     assert len(err.strip().splitlines()) == 1
-    assert "without the hierarchical cache" in err and "prefills its whole history" in err
-    words, err = dry_run(tmp_path, capsys)  # off: the profile's cache, no line
-    assert "--enable-hierarchical-cache" in words and err == ""
+    assert "triton attention" in err and "caches kept" in err
+    words, err = dry_run(tmp_path, capsys)  # off: the GPU's own backend, no line
+    assert "--attention-backend" not in words and err == ""
+    chosen = ("model.serving.deterministic_inference=true",
+              "hardware.sglang.extra_args=[--attention-backend,fa3]")  # fmt: skip
+    words, err = dry_run(tmp_path, capsys, *chosen)  # the user's backend, not a second one
+    assert words.count("--attention-backend") == 1 and flag(words, "--attention-backend") == "fa3"
+    assert "sglang.extra_args" in err
 
 
 def test_a_served_drafter_stays_unquantized_under_an_fp8_target(tmp_path, capsys):

@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         where = {"host": args.host, "port": args.port}
         command = server.server_command(profile, model, **where, **options)
         if args.dry_run:
-            if server is sglang_server and (note := sglang_server.cache_note(profile, model)):
+            if server is sglang_server and (
+                note := sglang_server.deterministic_note(profile, model)
+            ):
                 print(note, file=sys.stderr)  # stdout stays the command line alone
             env = server.server_env(profile, model)
             print(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + command))

@@ -52,6 +52,8 @@ from draftline.generation.startup_watch import CEILING, StartupWatch
 
 PYTHON_ENV = "DRAFTLINE_SGLANG_PYTHON"
 LAUNCHER_ENV = "DRAFTLINE_SGLANG_LAUNCHER"
+# The attention SGLang runs deterministically with the radix cache on every GPU generation.
+DETERMINISTIC_ATTENTION = "triton"
 PRIORITY_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
 DEFAULT_SERVE_TIMEOUT_S = 1800.0  # generate.serve_timeout_s when a run does not say
 
@@ -186,13 +188,15 @@ def server_command(
             cmd += ["--speculative-draft-model-quantization", "unquant"]
     # A hybrid target needs no flag: `--mamba-radix-cache-strategy` defaults to `auto`, which
     # picks extra_buffer for Qwen3.5/3.6 (SGLang 0.5.23, arg_groups/overrides.py).
-    if sg.get("hierarchical_cache") and not serving.get("deterministic_inference"):
+    if sg.get("hierarchical_cache"):
         cmd += ["--enable-hierarchical-cache"]
         host_gb = host_cache.host_cache_gb(sg)
         if host_gb:
             cmd += ["--hicache-size", str(host_gb)]
     if serving.get("deterministic_inference"):
         cmd += ["--enable-deterministic-inference"]
+        if "--attention-backend" not in (sg.get("extra_args") or []):
+            cmd += ["--attention-backend", DETERMINISTIC_ATTENTION]
     # The client sends each turn's priority (its conversation's turns left) and SGLang serves
     # higher values first from its own queue, without preempting running requests for them
     # (a preempted request loses its decode progress). SGLang 0.5.23: arg_groups/fields/schedule.py.
@@ -229,18 +233,23 @@ def router_breaker_failures(generate: dict[str, Any]) -> int:
     return max(1, min(3, int(generate.get("max_retries", 5))))
 
 
-def cache_note(profile: dict[str, Any], model: dict[str, Any]) -> str | None:
-    """The line `serve start` prints when deterministic inference costs the profile its
-    hierarchical cache (None otherwise). On Blackwell SGLang 0.5.23 runs deterministic
-    inference on flashinfer attention and turns the radix cache off for it, and the
-    hierarchical cache without the radix cache is a startup error: the command leaves it out."""
-    deterministic = (model.get("serving") or {}).get("deterministic_inference")
-    if not (deterministic and sglang_settings(profile).get("hierarchical_cache")):
+def deterministic_note(profile: dict[str, Any], model: dict[str, Any]) -> str | None:
+    """The line `serve start` prints when the model is served deterministically (None
+    otherwise). SGLang 0.5.23 left to itself does not start the 27B that way on either GPU
+    profile: on B200 the Qwen3.5 defaults pick trtllm_mha, which deterministic inference
+    refuses; on the RTX PRO 6000 it falls back to flashinfer and turns the radix cache off,
+    which the hierarchical cache refuses (and without which the state pool holds every
+    requested request's slots). Triton attention is deterministic with the radix cache
+    (arg_groups/choices.py RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND), so both caches
+    stay; tests/engines/test_sglang_startup.py runs SGLang's own resolution on it."""
+    if not (model.get("serving") or {}).get("deterministic_inference"):
         return None
+    if "--attention-backend" in (sglang_settings(profile).get("extra_args") or []):
+        return "model.serving.deterministic_inference: the attention backend of sglang.extra_args"
     return (
-        "model.serving.deterministic_inference: serving without the hierarchical cache, which "
-        "needs the radix cache SGLang turns off for deterministic inference on Blackwell: "
-        "every turn prefills its whole history again"
+        f"model.serving.deterministic_inference: {DETERMINISTIC_ATTENTION} attention "
+        "(batch-invariant, radix and hierarchical caches kept), slower than the GPU's own "
+        "kernels: measure it with `draftline calibrate`"
     )
 
 
@@ -465,7 +474,7 @@ def start(
     (not in the server's log). `generate` as for `server_command`."""
     if message := missing_engine(profile):
         raise ServeError(message)
-    if note := cache_note(profile, model):
+    if note := deterministic_note(profile, model):
         print(note, file=sys.stderr)
     # The router waits for its engines as long as this start does (`server_command`).
     generate = {**(generate or {}), "serve_timeout_s": timeout_s}

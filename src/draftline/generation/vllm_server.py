@@ -131,6 +131,9 @@ def server_command(
         # Compiled start takes minutes on CPU and its cache does not reload: eager by default.
         cmd += ["--enforce-eager"]
     cmd += ["--seed", str(int(settings.get("seed") or 0))]
+    # Each answer's usage then counts its prompt tokens served from the prefix cache
+    # (`draftline calibrate` reports the share, as it does for SGLang).
+    cmd += ["--enable-prompt-tokens-details"]
     serving = model.get("serving") or {}
     if serving.get("quantization") and not serving.get("checkpoint"):
         cmd += ["--quantization", str(serving["quantization"])]
