@@ -39,7 +39,7 @@ from helpers.generate_helpers import (
     sglang_hardware,
 )
 
-from draftline.generation import sglang_server
+from draftline.generation import server_process, sglang_server
 from draftline.generation.sglang_server import ServeError, server_command, server_url
 from draftline.runtime import hardware
 
@@ -133,6 +133,13 @@ def test_router_waits_longer_than_the_client_and_leaves_retries_to_it(name):
     assert client >= 2 * TARGET["max_new_tokens"] / rate > 1800  # the router's old default
     assert int(f["--router-request-timeout-secs"]) > client
     assert f["--router-disable-retries"] is True
+    # The client keeps the engines' caps plus a queue open, never more than max_in_flight: a
+    # request's share of the node grows and its timeout shrinks, never above the router's.
+    kept = profile["sglang"]["max_in_flight"] // 8
+    shorter = timeouts.client_timeout_s(profile, TARGET["max_new_tokens"], in_flight=kept)
+    assert timeouts.FLOOR_S <= shorter < client
+    assert shorter >= min(client, 2 * TARGET["max_new_tokens"] / (low / kept))
+    assert timeouts.client_timeout_s(profile, TARGET["max_new_tokens"], 20000, kept) == 20000
     single = {**profile, "sglang": {**profile["sglang"], "dp_size": 1}}
     assert "--router-request-timeout-secs" not in server_command(single, TARGET, python="p")
 
@@ -326,7 +333,7 @@ def pid_file(root: Path, port: int) -> dict:
 
 def is_running(pid: int) -> bool:
     """The process exists and is not a zombie."""
-    fields = sglang_server._stat(pid)
+    fields = server_process._stat(pid)
     return fields is not None and fields[0] not in ("Z", "X")
 
 
@@ -453,7 +460,7 @@ def test_the_router_counts_as_ready_only_when_every_engine_is(tmp_path, launcher
         # A stage finding this router up waits for its engines, and says so when they never come.
         two = {**PROFILES["pro6000x4"], "sglang": {**PROFILES["pro6000x4"]["sglang"]}}
         two["sglang"].update(dp_size=2, port=port)
-        state = sglang_server.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
+        state = server_process.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
         state_file = sglang_server.state_path(port, tmp_path)
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.write_text(json.dumps(state.__dict__), encoding="utf-8")
@@ -703,7 +710,7 @@ def test_bench_on_one_node_serves_the_drafter_then_the_baseline_never_both(tmp_p
     assert len(launches) == 2
     assert "--speculative-algorithm DFLASH" in launches[0]
     assert "--speculative-algorithm" not in launches[1]
-    assert not sglang_server.read_states(root)  # both stopped
+    assert not server_process.read_states(root)  # both stopped
     record = json.loads((root / "logs/runs/bench.json").read_text())
     assert record["speedup"] == pytest.approx(
         record["output_tok_s"] / record["baseline_output_tok_s"]

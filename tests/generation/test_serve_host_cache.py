@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from draftline.generation import host_cache
+from draftline.runtime import params
+
+REPO = Path(__file__).resolve().parents[2]
 
 GB = 10**9
 B200 = {"hierarchical_cache": True, "dp_size": 8, "tp_size": 1, "host_cache_share_of_ram": 0.5}
@@ -120,3 +123,13 @@ def test_serve_start_and_doctor_use_the_bound(tmp_path, monkeypatch):
     (row,) = doctor._host_cache_rows({"hardware": profile})
     assert "--hicache-size 50 GB per engine" in row[2]
     assert "cgroup /sys/fs/cgroup/job/memory.max limit, below RAM" in row[2]
+
+
+def test_doctor_shows_the_running_requests_sglang_gives_the_model():
+    from draftline.commands import doctor
+
+    composed = params.compose(["model=qwen3_6_27b", "hardware=pro6000x4"], REPO / "conf")
+    rows = doctor._host_cache_rows(composed)
+    running = [row for row in rows if row[0] == "running requests (pro6000x4)"]
+    assert running and running[0][1] is True
+    assert running[0][2].startswith("18 per engine x 4 (bound by the Gated DeltaNet state pool")

@@ -855,3 +855,22 @@ def test_memory_rows_keep_their_order_whatever_order_the_figures_come_in():
     rows = [line.split("held: ")[1].split("│")[0].strip() for line in printed(cached).splitlines()
             if "held: " in line]  # fmt: skip
     assert rows == ["target", "drafter", "target head", "optimizer"]
+
+
+def test_the_plan_shows_the_running_requests_sglang_gives_each_profile(seed_plan):
+    """The profiles ask 512 / 256 running requests per engine; SGLang sizes the 27B's by its
+    Gated DeltaNet state pool (generation/sglang_caps.py, checked equal to SGLang's own
+    configurator by tests/engines/test_sglang_startup.py), and the client keeps that plus a
+    short queue in flight, not the profile's max_in_flight."""
+    b200, pro = seed_plan["profiles"]["b200x8"], seed_plan["profiles"]["pro6000x4"]
+    assert (b200["running"]["per_engine"], b200["running"]["requested"]) == (46, 512)
+    assert (pro["running"]["per_engine"], pro["running"]["requested"]) == (18, 256)
+    assert b200["running"]["capped_by"] == pro["running"]["capped_by"] == "mamba state"
+    assert b200["running"]["in_flight"] == 8 * (46 + 5) and pro["running"]["in_flight"] == 4 * 22
+    assert seed_plan["profiles"]["cpu"]["running"] is None  # not an SGLang GPU node
+    from rich.console import Console
+
+    out = io.StringIO()
+    tables.print_plan(Console(file=out, width=200), seed_plan)
+    assert "Running requests b200x8: 46 per engine x 8" in out.getvalue()
+    assert "below the 512 the profile asks" in out.getvalue()

@@ -201,7 +201,9 @@ def _hybrid_rows(
 
 def _host_cache_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:
     """The hierarchical cache's pinned host pool each SGLang engine of this node would get
-    (`draftline.generation.host_cache`): a figure, never a failure."""
+    (`draftline.generation.host_cache`), a figure, never a failure; and the requests each
+    engine runs at once as SGLang sizes them (`sglang_caps`), a failure only when the
+    profile leaves it no memory to run any."""
     profile_cfg = (run_params or {}).get("hardware") or {}
     try:
         profile = hardware.resolve_profile(profile_cfg)
@@ -210,9 +212,15 @@ def _host_cache_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool,
     sg = profile.get("sglang") or {}
     if not sg:
         return []
-    from draftline.generation import host_cache
+    from draftline.generation import host_cache, sglang_caps
 
-    return [(f"host cache ({profile.get('name')})", True, host_cache.describe(sg))]
+    rows = [(f"host cache ({profile.get('name')})", True, host_cache.describe(sg))]
+    model = (run_params or {}).get("model")
+    running = sglang_caps.node_running(model, profile) if model else None
+    if running:
+        rows.append((f"running requests ({profile.get('name')})", "error" not in running,
+                     sglang_caps.describe_running(running)))  # fmt: skip
+    return rows
 
 
 def _engine_argv_rows(run_params: dict[str, Any] | None) -> list[tuple[str, bool, str]]:

@@ -404,3 +404,55 @@ def profile_caps(
         num_draft_tokens=spec.get("num_draft_tokens"),
         drafter=drafter,
     )
+
+
+def node_running(model: dict[str, Any], hardware: dict[str, Any]) -> dict[str, Any] | None:
+    """What one node of an SGLang GPU profile runs at once serving `model` as `serve start`
+    launches it (the model's own speculation): the cap per engine, the engines, and what the
+    client keeps in flight over them (`in_flight_for`: each cap plus a short queue, at most
+    `sglang.max_in_flight`). None for a profile that is not an SGLang GPU node; a profile
+    the arithmetic cannot size gives {"error": ...}."""
+    from draftline.generation.engines.sglang import in_flight_for
+
+    sg = hardware.get("sglang") or {}
+    gpu = hardware.get("gpu") or {}
+    if hardware.get("engine") != "sglang" or not sg or not gpu.get("memory_mib"):
+        return None
+    try:
+        caps = profile_caps(model, hardware)
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    engines = int(sg.get("dp_size") or 1)
+    requested = sg.get("max_running_requests")
+    cap = caps.max_running_requests
+    limit = int(sg.get("max_in_flight") or engines * cap)
+    return {
+        "per_engine": cap,
+        "requested": requested,
+        "capped_by": caps.capped_by,
+        "kv_tokens": caps.max_total_num_tokens,
+        "engines": engines,
+        "running": engines * cap,
+        "in_flight": in_flight_for([cap] * engines, limit),
+        "source": "computed as SGLang 0.5.23 sizes it at start (generation/sglang_caps.py)",
+    }
+
+
+def describe_running(running: dict[str, Any]) -> str:
+    """One line for `draftline plan` and `doctor`."""
+    if "error" in running:
+        return f"not computed: {running['error']}"
+    asked = running["requested"]
+    bound = {
+        "mamba state": "the Gated DeltaNet state pool",
+        "kv cache": "the KV cache",
+        "requested": "the profile's sglang.max_running_requests",
+    }[running["capped_by"]]
+    below = (
+        f", below the {asked} the profile asks" if asked and asked > running["per_engine"] else ""
+    )
+    return (
+        f"{running['per_engine']} per engine x {running['engines']} (bound by {bound}{below}): "
+        f"{running['running']} running, {running['in_flight']} kept in flight; "
+        f"{running['source']}"
+    )

@@ -63,7 +63,7 @@ def make_server_engine(
     kind: str, p: dict[str, Any], profile: dict[str, Any], sampling: Sampling, end_of_turn: int
 ) -> Engine:
     """A client of the `kind` servers (sglang or vllm) this profile names, started on demand."""
-    from draftline.generation import sglang_server, timeouts, vllm_server
+    from draftline.generation import server_launch, sglang_server, timeouts, vllm_server
     from draftline.generation.engines import sglang, vllm
     from draftline.generation.server_process import ServeError, display
 
@@ -109,10 +109,10 @@ def make_server_engine(
     client_settings = sglang.ClientSettings(
         endpoints=tuple(endpoints),
         max_in_flight=in_flight,
-        # From max_new_tokens and one request's decode rate at the profile's in-flight count
+        # From max_new_tokens and one request's decode rate at the in-flight count it keeps
         # (`generation.timeouts`), unless generate.request_timeout_s is set.
         request_timeout_s=timeouts.client_timeout_s(
-            profile, sampling.max_new_tokens, gen.get("request_timeout_s")
+            profile, sampling.max_new_tokens, gen.get("request_timeout_s"), in_flight
         ),
         max_retries=int(gen.get("max_retries", 5)),
         backoff_base_s=float(gen.get("backoff_base_s", 0.5)),
@@ -121,7 +121,7 @@ def make_server_engine(
         priorities=kind == "sglang",
     )
     engine = sglang.SGLangEngine if kind == "sglang" else vllm.VLLMEngine
-    serving = sglang_server.serving_identity(p["model"])
+    serving = server_launch.serving_identity(p["model"])
     return engine(client_settings, sampling, end_of_turn, serving, p["model"].get("eos_token_id"))
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from draftline.core.target import model_ref
+from draftline.generation import sglang_caps
 from draftline.ops.plan import data_yield
 from draftline.ops.plan.advice import advise
 from draftline.ops.plan.figures import (
@@ -268,6 +269,9 @@ def plan_profile(
         },
         "stages": stages,
         "total": totals,
+        # What SGLang runs at once there (None off SGLang GPU profiles): the throughput figures
+        # are for a full engine, and this is how full it gets.
+        "running": sglang_caps.node_running(params["model"], profile),
     }
 
 

@@ -8,6 +8,7 @@ import textwrap
 from typing import Any
 
 from draftline.drafter import memory_plan
+from draftline.generation import sglang_caps
 from draftline.ops.plan import data_yield
 from draftline.ops.plan.figures import DAY_S, STAGES, precision_text
 
@@ -114,6 +115,10 @@ def print_plan(console: Any, plan: dict[str, Any]) -> None:
         console.print(line, style="dim", highlight=False)
     console.print(generation_line(plan))
     console.print(f"[bold]Serving precision[/]: {precision_text(plan, profiles)}")
+    for p in profiles:
+        if p.get("running"):
+            line = sglang_caps.describe_running(p["running"])
+            console.print(f"[bold]Running requests[/] {p['name']}: {line}", highlight=False)
     for pair in plan.get("two_nodes") or []:
         print_two_nodes(console, pair)
 
