@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from draftline.ops import calibration
-from draftline.ops.plan import build as planning
+from draftline.ops import calibration, calibration_generate
+from draftline.ops.plan import build
 from draftline.ops.plan.figures import calibration_of, profile_throughput, resolve_inputs
 from draftline.ops.plan.tables import print_plan
 from draftline.runtime import hardware, params
@@ -60,16 +60,16 @@ def _turn(k: int, n: int) -> dict:
 
 def test_the_rate_leaves_out_the_first_collection() -> None:
     timed = _Timed(0.0, [(10.0, 1000), (12.0, 100), (14.0, 100)])  # 10 s of warm-up first
-    figures = calibration.generation_figures([_turn(0, 50), _turn(1, 60)], timed, [])
+    figures = calibration_generate.generation_figures([_turn(0, 50), _turn(1, 60)], timed, [])
     assert figures["output_tok_s"] == 50.0  # 200 tokens over 4 s
     assert figures["completion_tokens"]["mean"] == 55.0
-    alone = calibration.generation_figures([_turn(0, 50)], _Timed(0.0, [(5.0, 50)]), [])
+    alone = calibration_generate.generation_figures([_turn(0, 50)], _Timed(0.0, [(5.0, 50)]), [])
     assert alone["output_tok_s"] == 10.0 and "warm-up included" in alone["steady_state"]
 
 
 def test_no_turn_in_the_budget_skips_the_part() -> None:
     with pytest.raises(calibration.PartSkipped):
-        calibration.generation_figures([], _Timed(0.0, []), [])
+        calibration_generate.generation_figures([], _Timed(0.0, []), [])
 
 
 def test_plan_uses_a_calibration_of_this_run_only(composed: dict) -> None:
@@ -94,7 +94,7 @@ def test_plan_prints_estimate_beside_measured(composed: dict) -> None:
     profiles = hardware.load_profiles(ROOT / "conf")
     measured = record(composed, generate_tok_s=1e9, extract_tok_s=1e9, train_tok_s=1e9)
     metrics = {"calibration": {"b200x8": measured}, "curate": {}}
-    plan = planning.build_plan(composed, profiles, metrics)
+    plan = build.build_plan(composed, profiles, metrics)
     b200 = plan["profiles"]["b200x8"]["throughput"]["generate_tok_s"]
     assert b200["kind"] == "measured" and b200["estimate"] > 0
     console = Console(file=io.StringIO(), width=100)
@@ -111,11 +111,11 @@ def test_the_plans_turns_and_prefill_come_from_the_calibration(composed: dict) -
     cal = record(composed, turns=2.5, turn_prompt_tokens=40.0, prompt_tokens=30.0)
     metrics = {"calibration": {"cpu": cal}, "curate": {}}
     inputs = resolve_inputs(composed, metrics)
-    gen = planning.generation_work(composed, metrics, inputs)
+    gen = build.generation_work(composed, metrics, inputs)
     assert gen.turns.value == 2.5 and gen.turns.measured
     assert gen.turns.source.startswith("measured by calibrate on 2026-01-02")
     assert gen.prefill_tokens.value == 2.5 * 40.0 and gen.prefill_tokens.measured
-    estimated = planning.generation_work(composed, {"curate": {}}, inputs)
+    estimated = build.generation_work(composed, {"curate": {}}, inputs)
     assert not estimated.turns.measured
 
 
@@ -135,7 +135,7 @@ def test_the_prefix_cache_share_counts_the_turns_whose_engine_reports_it() -> No
     assert (sglang.prompt_tokens, sglang.cached_tokens) == (100, 60)
     assert (vllm.prompt_tokens, vllm.cached_tokens) == (50, 40)
     assert silent.cached_tokens is None
-    cache = calibration.PrefixCache()
+    cache = calibration_generate.PrefixCache()
     assert cache.figures() == "not reported by this engine"
     for result in (sglang, vllm, silent):
         cache.add(result)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from draftline.ops import calibration
+from draftline.ops import calibration, calibration_generate, calibration_measure
 from draftline.runtime import atomic, distributed, hardware, params
 
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     sequences: list[list[int]] = []
     if "generate" in args.stages:
         try:
-            parts["generate"], sequences = calibration.measure_generation(
+            parts["generate"], sequences = calibration_generate.measure_generation(
                 p, profile, budget["generate"], say, progress
             )
             say(summary("generate", parts["generate"]))
@@ -136,7 +136,7 @@ def measure_parts(
     skipped: dict[str, str] = {}
     for part, seconds in budget.items():
         measure = (
-            calibration.measure_extraction if part == "extract" else calibration.measure_training
+            calibration_measure.measure_extraction if part == "extract" else calibration_measure.measure_training
         )
         try:
             parts[part] = measure(p, profile, sequences, seconds, progress)
