@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftline.generation import sglang_server
+from draftline.generation import server_process
 from draftline.generation.engines.base import Request, Result, Sampling
 from draftline.generation.engines.sglang import ClientSettings, SGLangEngine
 
@@ -111,7 +111,7 @@ def start_standins(n: int, think_tokens: int, cores: set[int] | None) -> list[Se
 
 def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not sglang_server.healthy(url, timeout_s=1.0):
+    while not server_process.healthy(url, timeout_s=1.0):
         if time.monotonic() > deadline:
             raise SystemExit(f"stand-in at {url} did not come up")
         time.sleep(0.05)

@@ -186,3 +186,37 @@ def test_config_from_a_qwen3_target_and_json_round_trip():
         DFlashConfig.from_target(
             target, num_hidden_layers=2, block_size=8, mask_token_id=119, target_layer_ids=[6]
         )
+
+
+def test_the_declared_shape_keys_reach_the_drafter_config():
+    """The drafter's shape and layout keys, declared once (`config_schema`): the keys the
+    schema takes under `model.dflash` and `drafter`, what the hyperparameters carry, and what
+    the drafter's config is built with."""
+    from transformers import Qwen3Config
+
+    from draftline.drafter.build import Hyperparameters
+    from draftline.runtime.config_schema import DRAFTER_LAYOUT_KEYS, DRAFTER_SHAPE_KEYS, SCHEMA
+
+    keys = [*DRAFTER_SHAPE_KEYS, *DRAFTER_LAYOUT_KEYS]
+    assert list(SCHEMA["model"]["dflash"]) == keys
+    assert set(keys) <= set(SCHEMA["drafter"])
+    chosen = {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "intermediate_size": 64, "layer_types": SLIDING, "sliding_window": WINDOW,
+        "sliding_causal": True,
+    }  # fmt: skip
+    assert list(chosen) == keys
+    trained = dict(num_hidden_layers=2, block_size=BLOCK, gamma=4.0, max_anchors=8,
+                   global_batch_size=2, lr=1e-3, weight_decay=0.0, warmup_ratio=0.0, epochs=1,
+                   grad_clip=1.0, seed=0)  # fmt: skip
+    hp = Hyperparameters.from_params({**trained, **chosen})
+    assert hp.shape() == chosen
+    target = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    ).to_dict()  # fmt: skip
+    config = DFlashConfig.from_target(
+        target, num_hidden_layers=2, block_size=BLOCK, mask_token_id=VOCAB - 1,
+        target_layer_ids=[0, 1, 2], **hp.shape(),
+    )  # fmt: skip
+    assert {k: getattr(config, k) for k in keys} == chosen

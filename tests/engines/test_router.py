@@ -100,7 +100,7 @@ class Router:
             self.proc = subprocess.Popen(
                 self.args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        wait_for(lambda: sglang_server.healthy(self.url), "the router's liveness", self.proc)
+        wait_for(lambda: server_process.healthy(self.url), "the router's liveness", self.proc)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -385,7 +385,7 @@ def test_serve_start_generate_and_stop_through_sglang_routers_own_launcher(
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr  # else it stopped it all
     assert "engines: 2" in started.stdout
-    state = sglang_server.read_states(root)[0]
+    state = server_process.read_states(root)[0]
     try:
         url = f"http://127.0.0.1:{port}"
         # Ready as draftline returned: the router has both engines, by its own account.
@@ -417,4 +417,4 @@ def test_serve_start_generate_and_stop_through_sglang_routers_own_launcher(
     assert "6 processes, 6 ended on SIGTERM" in stopped.stdout, stopped.stdout
     assert len(tree) == 6 and set(engines) < set(tree)
     assert not [pid for pid in tree if is_running(pid)]
-    assert not sglang_server.healthy(f"http://127.0.0.1:{port}")
+    assert not server_process.healthy(f"http://127.0.0.1:{port}")

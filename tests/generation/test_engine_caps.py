@@ -19,7 +19,7 @@ import pytest
 from helpers.generate_helpers import STANDIN, free_port
 from test_serve import PROFILES, STANDIN_IDS, TARGET, flags, pid_file, post_generate, serve, workdir
 
-from draftline.generation import sglang_server
+from draftline.generation import server_process, sglang_server
 from draftline.generation.engines import choose
 from draftline.generation.engines.base import Request, Sampling
 from draftline.generation.engines.sglang import in_flight_for
@@ -102,7 +102,7 @@ def test_a_stage_sends_nothing_before_the_router_is_ready(tmp_path, monkeypatch)
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(args, stderr=out)
     try:
-        state = sglang_server.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
+        state = server_process.ServerState(proc.pid, "", port, [], "router.log", None, 0.0)
         path = sglang_server.state_path(port, tmp_path)
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(state.__dict__), encoding="utf-8")
@@ -132,17 +132,17 @@ def test_server_limits_reads_the_cap_the_scheduler_settled_on(tmp_path, route, m
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 20
-        while not sglang_server.healthy(url) and time.monotonic() < deadline:
+        while not server_process.healthy(url) and time.monotonic() < deadline:
             time.sleep(0.05)
         if route == "/get_server_info":  # a server before 0.5.23: only the older route
-            real_open = sglang_server._DIRECT.open
+            real_open = server_process._DIRECT.open
 
             def older(target, *a, **k):
                 if str(target).endswith("/server_info"):
                     raise OSError("404")
                 return real_open(target, *a, **k)
 
-            monkeypatch.setattr(sglang_server._DIRECT, "open", older)
+            monkeypatch.setattr(server_process._DIRECT, "open", older)
         assert sglang_server.server_limits(url) == {
             "url": url,
             "max_running_requests": 40,
@@ -156,5 +156,5 @@ def test_server_limits_reads_the_cap_the_scheduler_settled_on(tmp_path, route, m
 def test_limits_unknown_when_the_server_does_not_say(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens
     assert sglang_server.server_limits(url, timeout_s=1) == {"url": url}
-    state = sglang_server.ServerState(1, url, 1, [], "x", None, 0.0, engines=[{"url": url}])
+    state = server_process.ServerState(1, url, 1, [], "x", None, 0.0, engines=[{"url": url}])
     assert sglang_server.describe_limits(state) is None

@@ -18,7 +18,7 @@ import pytest
 
 from draftline import cli
 from draftline.core import target
-from draftline.generation import sglang_server
+from draftline.generation import server_launch
 from draftline.runtime import params
 from draftline.runtime.config_values import BadValueError
 
@@ -77,20 +77,20 @@ def test_training_keeps_the_target_and_the_identity_names_the_served_weights():
     model = params.compose(["model=qwen3_6_27b", FP8], REPO / "conf")["model"]
     assert (model["path"], model["revision"]) == ("Qwen/Qwen3.6-27B", "main")  # what trains
     assert target.served_checkpoint(model) == {"path": "Qwen/Qwen3.6-27B-FP8", "revision": COMMIT}
-    identity = json.loads(sglang_server.serving_identity(model))
+    identity = json.loads(server_launch.serving_identity(model))
     assert identity["checkpoint"] == f"hub:Qwen/Qwen3.6-27B-FP8@{COMMIT}"
     assert {k: v for k, v in identity.items() if k != "checkpoint"} == {
         k: v for k, v in model["serving"].items() if k != "checkpoint"
     }
     other = {**model, "serving": {**model["serving"], "checkpoint": {"path": "Qwen/Qwen3.6-27B"}}}
-    assert sglang_server.serving_identity(other) != sglang_server.serving_identity(model)
+    assert server_launch.serving_identity(other) != server_launch.serving_identity(model)
 
 
 def test_the_committed_configuration_keeps_its_identity():
     """No checkpoint in params.yaml: the identity is the serving block's JSON, as before."""
     model = params.load(REPO / "params.yaml")["model"]
     assert "checkpoint" not in (model.get("serving") or {})
-    assert sglang_server.serving_identity(model) == json.dumps(
+    assert server_launch.serving_identity(model) == json.dumps(
         model.get("serving") or {}, sort_keys=True, separators=(",", ":")
     )
 
@@ -102,13 +102,13 @@ def test_an_unpinned_checkpoint_is_keyed_on_its_cached_commit_or_resumes_nothing
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     model = {"path": "Qwen/Qwen3.6-27B", "serving": {"checkpoint": {"path": "org/fp8"}}}
-    first, second = (json.loads(sglang_server.serving_identity(model)) for _ in range(2))
+    first, second = (json.loads(server_launch.serving_identity(model)) for _ in range(2))
     assert first["checkpoint"].startswith("unidentified:") and first != second
     assert "Pin its revision to a commit" in capsys.readouterr().out
     refs = tmp_path / "hub/models--org--fp8/refs"
     refs.mkdir(parents=True)
     (refs / "main").write_text("f" * 40)
-    resolved = json.loads(sglang_server.serving_identity(model))
+    resolved = json.loads(server_launch.serving_identity(model))
     assert resolved["checkpoint"] == f"hub:org/fp8@{'f' * 40}"
 
 

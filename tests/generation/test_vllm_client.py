@@ -77,7 +77,7 @@ def test_launch_command_is_eager_fp32_and_serves_the_drafter_as_dflash(tmp_path:
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
-    from draftline.generation.sglang_server import with_speculation
+    from draftline.generation.server_launch import with_speculation
 
     model = with_speculation({"path": "models/x", "serving": {}}, drafter)
     cmd = vllm_server.server_command(PROFILE, model, port=31005, python="py")

@@ -22,7 +22,7 @@ from test_vllm_engine import EOT, PROFILE, ask, greedy, prompts
 from draftline.generation import bench, server_process, vllm_server
 from draftline.generation.engines.base import Sampling
 from draftline.generation.engines.vllm import completion_params
-from draftline.generation.sglang_server import with_speculation
+from draftline.generation.server_launch import with_speculation
 
 pytestmark = pytest.mark.vllm
 

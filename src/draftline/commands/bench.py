@@ -153,7 +153,7 @@ def served(
     """Start the profile's server with `drafter` (None: without speculation), measure it and
     stop it, so the next one has the node's GPUs to itself. `generate`: the run's section, for
     SGLang's router timeout."""
-    from draftline.generation import server_process, sglang_server
+    from draftline.generation import server_launch, server_process, sglang_server
 
     port = server.bind_port(profile)
     running = [
@@ -164,12 +164,12 @@ def served(
             f"bench --drafter starts its own servers on port {port}, which a server started "
             f"earlier holds (pid {running[0].pid}): `draftline serve stop --port {port}` first"
         )
-    spec = sglang_server.with_speculation(model, drafter, off=drafter is None)
+    spec = server_launch.with_speculation(model, drafter, off=drafter is None)
     print(f"bench: starting the {label} server ({server.server_url(profile)})")
     try:
         options = {"generate": generate} if server is sglang_server else {}
         state = server.start(profile, spec, timeout_s=timeout_s, **options)
-    except sglang_server.ServeError as exc:
+    except server_process.ServeError as exc:
         raise SystemExit(f"bench: the {label} server did not start: {exc}") from exc
     try:
         return measure(state.url, label)

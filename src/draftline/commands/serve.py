@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftline.generation import sglang_server, vllm_server
-from draftline.generation.server_process import STOP_GRACE_S, display
+from draftline.generation import server_launch, server_process, sglang_server, vllm_server
+from draftline.generation.server_process import STOP_GRACE_S, ServeError, display
 from draftline.runtime import hardware, params
 
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_for(p, args.hardware)
     server = vllm_server if profile.get("engine") == "vllm" else sglang_server
     try:
-        model = sglang_server.with_speculation(p["model"], args.drafter, args.no_speculation)
+        model = server_launch.with_speculation(p["model"], args.drafter, args.no_speculation)
         generate = p.get("generate") or {}
         if args.timeout:  # the router waits for its engines as long as the start does
             generate = {**generate, "serve_timeout_s": args.timeout}
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         timeout = args.timeout or float(generate.get("serve_timeout_s", 1800))
         state = server.start(profile, model, timeout_s=timeout, **where, **options)
-    except sglang_server.ServeError as exc:
+    except ServeError as exc:
         print(f"serve start failed: {exc}")
         return 1
     print(
@@ -113,13 +113,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _status() -> int:
-    states = sglang_server.read_states(Path("."))
+    states = server_process.read_states(Path("."))
     if not states:
         print("no server started by `draftline serve start` on this node")
         return 0
     for s in states:
-        up = sglang_server.alive(s)
-        health = "healthy" if up and sglang_server.healthy(s.url) else "not answering"
+        up = server_process.alive(s)
+        health = "healthy" if up and server_process.healthy(s.url) else "not answering"
         print(
             f"{s.url}  pid {s.pid}  {'running' if up else 'gone'}, {health}  "
             f"profile {s.profile}  log {s.log}  {display(s.kind)}"
@@ -128,7 +128,7 @@ def _status() -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    states = sglang_server.read_states(Path("."))
+    states = server_process.read_states(Path("."))
     if not args.all:
         if args.port is None and len(states) > 1:
             ports = ", ".join(str(s.port) for s in states)
@@ -141,7 +141,7 @@ def _stop(args: argparse.Namespace) -> int:
         return 0
     clean = True
     for s in states:
-        stopped = sglang_server.stop(s, grace_s=args.grace)
+        stopped = server_process.stop(s, grace_s=args.grace)
         verb = "stopped" if stopped else "already gone:"
         print(f"{verb} {s.url} (pid {s.pid}): {stopped.summary()}")
         clean = clean and stopped.clean

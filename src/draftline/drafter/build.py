@@ -17,6 +17,7 @@ from safetensors import safe_open
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.dflash2 import FAMILIES, DFlash2Layout
 from draftline.drafter.selector_objective import SelectorObjective
+from draftline.runtime.config_schema import DRAFTER_LAYOUT_KEYS, DRAFTER_SHAPE_KEYS
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,13 @@ class Hyperparameters:
 
     @classmethod
     def from_params(cls, drafter: dict[str, Any]) -> Hyperparameters:
-        optional = (*SHAPE_FIELDS, *LAYOUT_FIELDS, "family", "dflash2", "selector")
+        optional = (*DRAFTER_SHAPE_KEYS, *DRAFTER_LAYOUT_KEYS, "family", "dflash2", "selector")
         names = [n for n in cls.__dataclass_fields__ if n not in optional]
         missing = [n for n in names if n not in drafter]
         if missing:
             raise SystemExit(f"params drafter.* lacks {missing}: add them to conf/drafter/")
         values = {n: type(getattr(_DEFAULTS, n))(drafter[n]) for n in names}
-        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in SHAPE_FIELDS}
+        shape = {n: None if drafter.get(n) is None else int(drafter[n]) for n in DRAFTER_SHAPE_KEYS}
         layer_types = drafter.get("layer_types")
         window, causal = drafter.get("sliding_window"), drafter.get("sliding_causal")
         return cls(
@@ -82,7 +83,7 @@ class Hyperparameters:
 
     def shape(self) -> dict[str, Any]:
         """The shape and layout fields that are set (the rest derive from the target)."""
-        set_fields = {n: getattr(self, n) for n in (*SHAPE_FIELDS, *LAYOUT_FIELDS)}
+        set_fields = {n: getattr(self, n) for n in (*DRAFTER_SHAPE_KEYS, *DRAFTER_LAYOUT_KEYS)}
         if self.layer_types is not None:
             set_fields["layer_types"] = list(self.layer_types)
         return {n: v for n, v in set_fields.items() if v is not None}
@@ -108,8 +109,6 @@ def _family(drafter: dict[str, Any]) -> dict[str, Any]:
 
 DFLASH2_FIELDS = tuple(DFlash2Layout.__dataclass_fields__)
 SELECTOR_FIELDS = {f"selector_{f}": f for f in SelectorObjective.__dataclass_fields__}
-SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-LAYOUT_FIELDS = ("layer_types", "sliding_window", "sliding_causal")
 _DEFAULTS = Hyperparameters(2, 8, 4.0, 64, 16, 3e-3, 0.0, 0.04, 1, 1.0, 0)
 
 

@@ -1,11 +1,12 @@
 """Inference servers as processes of this node: launch, wait for health, record, stop.
 
 Shared by the SGLang (`sglang_server`) and vLLM (`vllm_server`) launchers, which only build the
-command line and environment. One server per port. `launch` starts the command in its own
-process group (so it outlives the stage that started it), logs to `logs/serve/<kind>-<port>.log`,
-records a pid file `.draftline/serve/<kind>-<port>.json` and waits for `GET /health`; when the
-server does not come up it is stopped and the log tail is shown. Once ready, the state also
-records every process of the server and, where the launcher says how, each engine's limits.
+command line and environment (`server_launch` starts them). One server per port. `launch` starts
+the command in its own process group (so it outlives the stage that started it), logs to
+`logs/serve/<kind>-<port>.log`, records a pid file `.draftline/serve/<kind>-<port>.json` and
+waits for `GET /health`; when the server does not come up it is stopped and the log tail is
+shown. Once ready, the state also records every process of the server and, where the launcher
+says how, each engine's limits.
 
 `stop` ends every process the launcher started: its own process group, every descendant, and
 the process groups those descendants made (`sglang_router.launch_server` starts each DP engine

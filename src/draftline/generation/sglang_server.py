@@ -1,9 +1,9 @@
 """SGLang servers started from the hardware profile and the model's `serving` block: command
-lines, environment, start, stop, status.
+lines, environment, the engines behind a router, start.
 
-One server per port, launched, health-checked, recorded and stopped by
-`draftline.generation.server_process` (logs in `logs/serve/sglang-<port>.log`, pid file
-`.draftline/serve/sglang-<port>.json`).
+What every engine's start shares is `server_launch`'s; one server per port, launched,
+health-checked, recorded and stopped by `draftline.generation.server_process` (logs in
+`logs/serve/sglang-<port>.log`, pid file `.draftline/serve/sglang-<port>.json`).
 
 With `sglang.dp_size > 1` the launcher is `python -m sglang_router.launch_server --dp-size N`
 (a router in front of N engines on one port), else `python -m sglang.launch_server`. The Python
@@ -26,28 +26,23 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
-from draftline.core import target
 from draftline.generation import host_cache, timeouts
-from draftline.generation.server_process import (  # noqa: F401  (the lifecycle, re-exported)
+from draftline.generation.server_launch import (
+    ServerKind,
+    checkpoint_flags,
+    extra_flags,
+    modules_missing,
+    precision_flags,
+)
+from draftline.generation.server_process import (
     _DIRECT,
-    LOG_DIR,
-    STATE_DIR,
-    STOP_GRACE_S,
     ServeError,
     ServerState,
-    Stopped,
-    _stat,
     alive,
-    group_members,
     healthy,
-    launch,
-    log_tail,
     reach_url,
     read_states,
-    start_ticks,
-    stop,
 )
-from draftline.generation.server_process import state_path as _state_path
 from draftline.generation.startup_watch import CEILING, StartupWatch
 
 PYTHON_ENV = "DRAFTLINE_SGLANG_PYTHON"
@@ -57,30 +52,20 @@ DETERMINISTIC_ATTENTION = "triton"
 PRIORITY_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
 DEFAULT_SERVE_TIMEOUT_S = 1800.0  # generate.serve_timeout_s when a run does not say
 
-
-def sglang_settings(profile: dict[str, Any]) -> dict[str, Any]:
-    sg = profile.get("sglang")
-    if not sg:
-        raise ServeError(
-            f"SGLang is not for hardware profile {profile.get('name')!r}: it has no sglang "
-            f"section (engine {profile.get('engine')!r}) and SGLang needs GPUs. Without GPUs "
-            "generate runs the local engine and needs no server; on a GPU node use "
-            "--hardware pro6000x4, --hardware b200x8 or --hardware auto"
-        )
-    return sg
-
-
-def bind_host(profile: dict[str, Any], host: str | None = None) -> str:
-    return str(host or sglang_settings(profile).get("host") or "127.0.0.1")
-
-
-def bind_port(profile: dict[str, Any], port: int | None = None) -> int:
-    return int(port or sglang_settings(profile).get("port") or 30000)
-
-
-def engine_python() -> str:
-    """The Python that runs SGLang: `$DRAFTLINE_SGLANG_PYTHON`, else this one."""
-    return os.environ.get(PYTHON_ENV) or sys.executable
+SGLANG = ServerKind(
+    "sglang",
+    default_port=30000,
+    python_env=PYTHON_ENV,
+    without_section=" and SGLang needs GPUs. Without GPUs generate runs the local engine and "
+    "needs no server; on a GPU node use --hardware pro6000x4, --hardware b200x8 or --hardware auto",
+)
+# The profile's section, the server's address and pid file, its Python (`server_launch`).
+sglang_settings = SGLANG.settings
+bind_host = SGLANG.bind_host
+bind_port = SGLANG.bind_port
+server_url = SGLANG.server_url
+state_path = SGLANG.state_path
+engine_python = SGLANG.engine_python
 
 
 def missing_engine(profile: dict[str, Any]) -> str | None:
@@ -94,12 +79,7 @@ def missing_engine(profile: dict[str, Any]) -> str | None:
         else ["sglang"]
     )
     python = engine_python()
-    if python == sys.executable:
-        import importlib.util
-
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    else:
-        missing = _missing_in(python, modules)
+    missing = modules_missing(python, modules)
     if not missing:
         return None
     where = f"${PYTHON_ENV}={python}" if python != sys.executable else f"this Python ({python})"
@@ -108,22 +88,6 @@ def missing_engine(profile: dict[str, Any]) -> str | None:
         f"there, or set {PYTHON_ENV} to the python of the environment that has SGLang "
         "(README: GPU node with SGLang)"
     )
-
-
-def _missing_in(python: str, modules: list[str]) -> list[str]:
-    import subprocess
-
-    probe = (
-        "import importlib.util as u, sys; "
-        "print(' '.join(m for m in sys.argv[1:] if not u.find_spec(m)))"
-    )
-    try:
-        out = subprocess.run(
-            [python, "-c", probe, *modules], capture_output=True, text=True, timeout=60
-        )
-    except OSError:
-        return modules  # no such interpreter
-    return out.stdout.split() if out.returncode == 0 else modules
 
 
 def server_command(
@@ -145,23 +109,14 @@ def server_command(
     if launcher and python is None:
         cmd = shlex.split(launcher)
     else:
-        cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m", module]
-    served = target.served_checkpoint(model)
-    cmd += ["--model-path", served["path"]]
-    if served["revision"]:
-        cmd += ["--revision", str(served["revision"])]
-    cmd += ["--host", bind_host(profile, host)]
-    cmd += ["--port", str(bind_port(profile, port))]
+        cmd = [engine_python(python), "-m", module]
+    cmd += checkpoint_flags(model, "--model-path")
+    cmd += SGLANG.address_flags(profile, host, port)
     cmd += ["--tp-size", str(int(sg.get("tp_size") or 1))]
     if dp > 1:
         cmd += ["--dp-size", str(dp)]
+    cmd += precision_flags(model)
     serving = model.get("serving") or {}
-    served_other = bool(serving.get("checkpoint"))
-    if serving.get("quantization") and not served_other:
-        # A served checkpoint carries its quantization in its config.json: no flag then.
-        cmd += ["--quantization", str(serving["quantization"])]
-    if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
-        cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
     if sg.get("mem_fraction_static"):
         cmd += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
     context = context_length(profile, model)
@@ -181,7 +136,9 @@ def server_command(
         ):
             if spec.get(key) is not None:
                 cmd += [flag, str(int(spec[key]))]
-        if spec.get("draft_model_path") and (serving.get("quantization") or served_other):
+        if spec.get("draft_model_path") and (
+            serving.get("quantization") or serving.get("checkpoint")
+        ):
             # SGLang quantizes a draft model as it does the target unless told otherwise
             # (0.5.23, arg_groups/serving_hook.py): serve the drafter as it was trained, beside
             # a pre-quantized checkpoint too, whose quantization SGLang detects on loading.
@@ -223,7 +180,7 @@ def server_command(
     # reasoning parser, which SGLang builds only with a tokenizer).
     if sg.get("skip_tokenizer_init", True):
         cmd += ["--skip-tokenizer-init"]
-    cmd += [str(a) for a in sg.get("extra_args") or []]
+    cmd += extra_flags(sg)
     return cmd
 
 
@@ -268,53 +225,10 @@ def context_length(profile: dict[str, Any], model: dict[str, Any]) -> int | None
     return int(value) if value else None
 
 
-def with_speculation(
-    model: dict[str, Any], drafter: str | Path | None = None, off: bool = False
-) -> dict[str, Any]:
-    """The model served with another speculative decoding: the exported DFlash drafter at
-    `drafter` (SGLang's DFLASH, drafting its block size), or none at all (`off`: the baseline a
-    speed-up is measured against). Without either, the model's own (`serving.speculative`)."""
-    if drafter is None and not off:
-        return model
-    speculative = None
-    if drafter is not None:
-        config = Path(drafter) / "config.json"
-        if not config.is_file():
-            raise ServeError(f"no exported drafter in {drafter}: run `dvc repro train` first")
-        block = json.loads(config.read_text(encoding="utf-8"))["block_size"]
-        speculative = {
-            "algorithm": "DFLASH",
-            "draft_model_path": str(drafter),
-            "num_draft_tokens": int(block),
-        }
-    return {**model, "serving": {**(model.get("serving") or {}), "speculative": speculative}}
-
-
 def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]:
     """Environment the server needs beyond this process's: the node's (`sglang.env`), then the
     model's (`serving.env`)."""
-    node = sglang_settings(profile).get("env") or {}
-    served = (model.get("serving") or {}).get("env") or {}
-    return {str(k): str(v) for k, v in {**node, **served}.items()}
-
-
-def serving_identity(model: dict[str, Any]) -> str:
-    """What the server computes, as recorded with every generated sample (sorted JSON); a
-    served checkpoint as the weights it names (`target.served_weights_id`)."""
-    serving = dict(model.get("serving") or {})
-    if serving.get("checkpoint"):
-        serving["checkpoint"] = target.served_weights_id(model)
-    return json.dumps(serving, sort_keys=True, separators=(",", ":"))
-
-
-def server_url(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> str:
-    """Where clients on this node reach the server (loopback when it binds every address)."""
-    return reach_url(bind_host(profile, host), bind_port(profile, port))
-
-
-def state_path(port: int, root: Path = Path(".")) -> Path:
-    """The pid file of the SGLang server on `port`."""
-    return _state_path(port, root, "sglang")
+    return SGLANG.server_env(profile, model)
 
 
 # sglang_router 0.3.2 (`launch_server.py`) starts the DP engines, logging one line each to the
@@ -478,13 +392,12 @@ def start(
         print(note, file=sys.stderr)
     # The router waits for its engines as long as this start does (`server_command`).
     generate = {**(generate or {}), "serve_timeout_s": timeout_s}
-    return launch(
-        "sglang",
+    return SGLANG.start(
+        profile,
         server_command(profile, model, host=host, port=port, generate=generate),
         {**server_env(profile, model), **(env or {})},
-        port=bind_port(profile, port),
-        url=server_url(profile, host, port),
-        profile=profile.get("name"),
+        host=host,
+        port=port,
         timeout_s=timeout_s,
         root=root,
         ready=engines_missing(profile, host, port),

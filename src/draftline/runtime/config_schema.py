@@ -20,6 +20,12 @@ from hydra.errors import ConfigCompositionException
 OPEN = "*"  # any key below
 Schema = dict[str, Any]
 
+# The drafter's attention/MLP shape and its layers' layout: set in `drafter` (conf/drafter/), or
+# in `model.dflash` as the target's public drafters have them; unset, derived from the target
+# (`drafter.build.Hyperparameters`).
+DRAFTER_SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+DRAFTER_LAYOUT_KEYS = ("layer_types", "sliding_window", "sliding_causal")
+
 SCHEMA: Schema = {
     "model": {
         "name": None,
@@ -46,15 +52,7 @@ SCHEMA: Schema = {
         "sampling": {"temperature": None, "top_p": None, "top_k": None},
         "max_new_tokens": None,
         "features": None,
-        "dflash": {
-            "num_attention_heads": None,
-            "num_key_value_heads": None,
-            "head_dim": None,
-            "intermediate_size": None,
-            "layer_types": None,
-            "sliding_window": None,
-            "sliding_causal": None,
-        },
+        "dflash": dict.fromkeys((*DRAFTER_SHAPE_KEYS, *DRAFTER_LAYOUT_KEYS)),
         "serving": {
             "quantization": None,
             "kv_cache_dtype": None,
@@ -90,13 +88,7 @@ SCHEMA: Schema = {
     "drafter": {
         "name": None,
         "num_hidden_layers": None,
-        "num_attention_heads": None,
-        "num_key_value_heads": None,
-        "head_dim": None,
-        "intermediate_size": None,
-        "layer_types": None,
-        "sliding_window": None,
-        "sliding_causal": None,
+        **dict.fromkeys((*DRAFTER_SHAPE_KEYS, *DRAFTER_LAYOUT_KEYS)),
         "block_size": None,
         "gamma": None,
         "max_anchors": None,
