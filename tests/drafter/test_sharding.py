@@ -24,7 +24,7 @@ import torch
 from draftline.core.target import load_model
 from draftline.drafter.features import needed_layers_only, target_layer_states
 from draftline.drafter.sharding import Layout
-from draftline.drafter.training import load_online_target
+from draftline.drafter.training_setup import load_online_target
 from draftline.runtime import distributed
 
 torch.set_num_threads(1)

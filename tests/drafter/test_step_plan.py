@@ -3,8 +3,6 @@ shards it does not read arrive."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from draftline.drafter.step_plan import StepPlan
@@ -61,27 +59,3 @@ def test_links_run_in_shard_order_and_the_state_round_trips() -> None:
     assert again == plan
     with pytest.raises(SystemExit, match="global_batch_size"):
         StepPlan.planned(10, 1, 16, seed=0)
-
-
-def test_the_last_stage_follows_the_chain_even_beside_an_old_whole_run_extraction(
-    tmp_path: Path,
-) -> None:
-    """A workspace extracted before the chain existed keeps `data/extracted/index.json` and its
-    packs beside the shard folders; the last stage must still train after the chain."""
-    from argparse import Namespace
-
-    from draftline.stages.train import _segment
-
-    data = tmp_path / "extracted"
-    (data / "shard-0").mkdir(parents=True)
-    (data / "index.json").write_text("{}")
-    args = Namespace(
-        data=str(data), chain=str(tmp_path / "chain"), shard=None,
-        curate_summary=str(tmp_path / "summary.json"),
-    )  # fmt: skip
-    folders, segment = _segment(args, {"data": {"shard_ids": [0, 1]}})
-    assert segment.after_chain and folders == [data / "shard-0", data / "shard-1"]
-    assert segment.start_from == tmp_path / "chain" / "shard-1"
-    (data / "shard-0").rmdir()  # a single extraction folder alone: a whole run in one go
-    folders, segment = _segment(args, {"data": {"shard_ids": [0, 1]}})
-    assert folders == [data] and not segment.after_chain and segment.link is None

@@ -29,6 +29,7 @@ from helpers.dflash_data import generated_sequences, make_target, model_params, 
 
 from draftline.drafter import checkpoints
 from draftline.drafter.training import Hyperparameters, RunOptions, train
+from draftline.drafter.training_mode import TrainingMode
 
 # One xdist worker for the module: its runs (module fixtures, per family) are shared by several
 # tests and would otherwise run again on each worker that gets one of them.
@@ -194,7 +195,8 @@ def fsdp_run(workdir, family) -> Path:
 def test_training_lowers_the_loss_and_raises_accuracy(workdir, family):
     hp = Hyperparameters.from_params({**FAMILIES[family], "epochs": 12})
     options = RunOptions(progress=False)
-    result = train(workdir / "data", model_params(workdir / "target"), hp, options)
+    mode = TrainingMode.whole_run(workdir / "data")
+    result = train(mode, model_params(workdir / "target"), hp, options)
     assert result.dropped_sequences == 4  # the four with < 2B supervised tokens
     assert result.num_sequences == 60 and result.steps == 7 * 12
     first, last = result.history[:5], result.history[-5:]
@@ -206,6 +208,29 @@ def test_training_lowers_the_loss_and_raises_accuracy(workdir, family):
         # the candidates it has (its loss, normalised like the CE, grows with them)
         assert mean(last, "selector_recall_top1") > mean(first, "selector_recall_top1") + 0.2
         assert mean(last, "selector_recall_topk") >= mean(last, "selector_recall_top1")
+
+
+def test_a_chain_of_links_trains_what_a_whole_run_over_its_shards_trains(workdir, tmp_path):
+    """The modes compose: link 0 (a fresh plan of the planned rows), link 1 (from link 0's
+    state) and the steps after the chain (from link 1's) end bit for bit where one whole run
+    over the same two shards, planned from the same rows, ends."""
+    target = workdir / "target"
+    shards = [tmp_path / "extracted" / f"shard-{k}" for k in (0, 1)]
+    write_packs(shards[0], target, generated_sequences(target, 20, seed=1))
+    write_packs(shards[1], target, generated_sequences(target, 27, seed=2))
+    model, hp = model_params(target), Hyperparameters.from_params({**DRAFTER, "epochs": 3})
+    options, rows = RunOptions(progress=False), 47
+    whole = train(TrainingMode.whole_run(shards, planned_rows=rows), model, hp, options)
+
+    links = [tmp_path / "chain" / f"shard-{k}" for k in (0, 1)]
+    first = TrainingMode.chain_link(0, shards[0], links[0], planned_rows=rows)
+    second = TrainingMode.chain_link(1, shards[1], links[1], start_from=links[0])
+    assert [train(m, model, hp, options).steps for m in (first, second)] == [2, 3]
+    after = train(TrainingMode.after_the_chain(shards, links[1]), model, hp, options)
+    assert after.steps == whole.steps == 3 * (rows // 8) and after.resumed_from_step == 5
+    assert after.history == whole.history
+    got, want = after.drafter.state_dict(), whole.drafter.state_dict()
+    assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 def test_two_ddp_processes_give_the_same_loss_curve_as_one(workdir, single_run, family):
@@ -367,7 +392,7 @@ def test_a_checkpoint_of_other_weights_in_the_same_folder_is_not_resumed() -> No
     """The run's fingerprint names `model.target_id`: same path, other weights, other run."""
     from types import SimpleNamespace
 
-    from draftline.drafter.training import run_fingerprint
+    from draftline.drafter.training_setup import run_fingerprint
 
     hp = Hyperparameters.from_params(DRAFTER)
     data = SimpleNamespace(fingerprint="index-sha")

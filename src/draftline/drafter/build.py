@@ -73,7 +73,7 @@ class Hyperparameters:
         )
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint is of (`training.run_fingerprint`): a DFlash run's is what it was
+        """What a checkpoint is of (`training_setup.run_fingerprint`): a DFlash run's is what it was
         before there were families, so its checkpoints still resume."""
         values = asdict(self)
         if self.family == "dflash":

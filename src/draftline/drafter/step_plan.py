@@ -12,6 +12,9 @@ came one by one on another node or all at once:
   sequences, shuffled with a seed of their own); the few left over are read in later epochs;
 - the steps after the chain cycle over every shard's sequences, epoch e shuffled with seed
   (seed, e), until the planned step count is reached.
+
+`CallSteps` is the plan as one training call sees it (`draftline.drafter.training_mode`): the
+steps it trains and the sequences each one reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
+
+from draftline.drafter.training_mode import TrainingMode
 
 
 def shuffled(n: int, *keys: object) -> list[int]:
@@ -119,3 +124,44 @@ class StepPlan:
             int(state["total_steps"]),  # type: ignore[arg-type]
             [int(n) for n in state["shard_sizes"]],  # type: ignore[union-attr]
         )
+
+
+@dataclass
+class CallSteps:
+    """The run's plan as one call sees it: the steps it trains, and where each shard it reads
+    begins among the loaded sequences (`ExtractedData.offsets`)."""
+
+    run_plan: StepPlan
+    steps: range
+    first_sequence: dict[int, int]  # shard -> index of its first loaded sequence
+
+    @classmethod
+    def of(
+        cls, mode: TrainingMode, start: StepPlan, sizes: list[int], offsets: list[int]
+    ) -> CallSteps:
+        """`mode`'s steps, from the plan it starts from (the previous link's, or a fresh one;
+        extended in place) and the usable sequences of each folder it reads (`sizes`)."""
+        if mode.link is not None:
+            (usable,), (offset,) = sizes, offsets
+            return cls(start, start.add_shard(mode.link, usable), {mode.link: offset})
+        every_shard = dict(enumerate(offsets))  # the folders are every shard, in order
+        if mode.after_chain:
+            if start.shard_sizes != sizes:
+                raise SystemExit(
+                    f"the packs hold {sizes} usable sequences per shard, the chain trained on "
+                    f"{start.shard_sizes}: a shard changed after its link trained on it; rerun "
+                    "its extraction and the chain from there"
+                )
+            return cls(start, start.rest_steps(), every_shard)
+        for shard, usable in enumerate(sizes):
+            start.add_shard(shard, usable)
+        return cls(start, range(0, start.total_steps), every_shard)
+
+    def batch(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, indices into the loaded sequences) of `step`."""
+        plan = self.run_plan
+        if step < plan.chain_steps:
+            shard = plan.shard_of(step)
+            base = self.first_sequence[shard]
+            return 0, [base + i for i in plan.link_batch(shard, step)]
+        return plan.rest_batch(step)  # the loaded data is every shard, in order

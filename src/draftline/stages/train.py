@@ -4,8 +4,10 @@
 steps over shard K, resumed from link K-1's state (`models/chain/shard-K-1/`), its own state
 left in `models/chain/shard-K/` for the next (`draftline.drafter.step_plan`). Plain
 `draftline train` trains the remaining epochs over every shard from the last link's state and
-exports the drafter (`models/drafter/`) with metrics and plots. Given a single extraction
-folder (`--data` holding an index.json), it trains a whole run in one go.
+exports the drafter (`models/drafter/`) with metrics and plots. Without shards in the params
+(no `data.shard_ids`: a run outside the pipeline), `--data` is one extraction folder and it
+trains a whole run in one go. Which of these a call is (`training_mode`) follows from the
+params and the stage's inputs alone, never from what happens to be on disk.
 
 With a hardware profile of several processes per node it reruns itself as that many processes
 (`distributed.run_in_local_processes`, rendezvous on loopback), laid out as the profile says
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.core import target
+from draftline.drafter.training_mode import TrainingMode
 from draftline.runtime import distributed, hardware, params, run_log
 from draftline.runtime.atomic import write_text
 
@@ -100,15 +103,15 @@ def run(args: argparse.Namespace) -> int:
         live_dir=Path(args.live),
         progress=not args.no_progress,
     )
-    folders, segment = _segment(args, p)
+    mode = training_mode(args, p)
     try:
-        result = train(folders, p["model"], hp, options, segment)
-        if segment.link is not None:
+        result = train(mode, p["model"], hp, options)
+        if mode.link is not None:
             if distributed.rank() == 0:
                 print(
-                    f"train: link {segment.link}: steps {result.resumed_from_step}.."
+                    f"train: link {mode.link}: steps {result.resumed_from_step}.."
                     f"{result.extra['chain_steps']} of {result.extra['plan']['total_steps']} "
-                    f"on {result.num_sequences} sequences; state in {segment.save_to}"
+                    f"on {result.num_sequences} sequences; state in {mode.save_to}"
                 )
         elif distributed.rank() == 0:
             export_drafter(result.drafter, args.out)
@@ -127,29 +130,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _segment(args: argparse.Namespace, p: dict[str, Any]) -> tuple[list[Path], Any]:
-    """The data folders and the part of the run this call trains."""
-    shard_ids = [int(k) for k in (p.get("data") or {}).get("shard_ids", [])]
-    from draftline.drafter.packs import INDEX_NAME, shard_folder
-    from draftline.drafter.training import Segment
+def training_mode(args: argparse.Namespace, p: dict[str, Any]) -> TrainingMode:
+    """What this call trains, from the params and the stage's inputs as dvc.yaml declares
+    them (`--data`, `--chain`, `--curate-summary`): with shards in the params, link `--shard`
+    of the chain or, without it, the steps after the chain; without shards, a whole run of
+    the one folder `--data`."""
+    from draftline.drafter.packs import shard_folder
 
-    data, chain, summary = Path(args.data), Path(args.chain), Path(args.curate_summary)
-    if args.shard is not None:
-        k = args.shard
-        if k not in shard_ids:
-            raise SystemExit(f"train --shard {k}: not one of data.shard_ids {shard_ids}")
-        before = shard_ids[shard_ids.index(k) - 1] if shard_ids.index(k) else None
-        return [shard_folder(data, k)], Segment(
-            link=k,
-            start_from=shard_folder(chain, before) if before is not None else None,
-            planned_rows=None if before is not None else planned_sequences(summary, p),
-            save_to=shard_folder(chain, k),
-        )
-    shards = [shard_folder(data, k) for k in shard_ids]
-    if (data / INDEX_NAME).is_file() and not any(f.exists() for f in shards):
-        return [data], Segment()  # one extraction folder (no shard folders): a whole run
-    last = shard_folder(chain, shard_ids[-1])
-    return shards, Segment(after_chain=True, start_from=last)
+    shard_ids = [int(k) for k in (p.get("data") or {}).get("shard_ids", [])]
+    data, chain = Path(args.data), Path(args.chain)
+    if not shard_ids:
+        if args.shard is not None:
+            raise SystemExit(f"train --shard {args.shard}: the params have no data.shard_ids")
+        return TrainingMode.whole_run(data)
+    if args.shard is None:
+        shards = [shard_folder(data, k) for k in shard_ids]
+        return TrainingMode.after_the_chain(shards, shard_folder(chain, shard_ids[-1]))
+    k = args.shard
+    if k not in shard_ids:
+        raise SystemExit(f"train --shard {k}: not one of data.shard_ids {shard_ids}")
+    folder, save_to = shard_folder(data, k), shard_folder(chain, k)
+    position = shard_ids.index(k)
+    if position == 0:  # the first link plans the run from curate's rows
+        rows = planned_sequences(Path(args.curate_summary), p)
+        return TrainingMode.chain_link(k, folder, save_to, planned_rows=rows)
+    before = shard_folder(chain, shard_ids[position - 1])
+    return TrainingMode.chain_link(k, folder, save_to, start_from=before)
 
 
 def _working_checkpoint(path: Path, shard: int | None) -> Path:
