@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.generation.startup_watch import StartupWatch
-from draftline.runtime import atomic
+from draftline.runtime import atomic, hardware
 
 STATE_DIR = Path(".draftline/serve")
 LOG_DIR = Path("logs/serve")
@@ -303,23 +302,12 @@ def gpu_holders(pids: set[int], timeout_s: float = 30.0) -> tuple[list[int] | No
     """Which of `pids`, and which other processes, `nvidia-smi` lists on the GPUs, waiting up to
     `timeout_s` for the driver to let go of processes that just ended; (None, []) on a node
     without `nvidia-smi` or where it fails."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None, []
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            out = subprocess.run(
-                [smi, "--query-compute-apps=pid", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.TimeoutExpired):
+        out = hardware.nvidia_smi("--query-compute-apps=pid", timeout_s=30.0)
+        if out is None:
             return None, []
-        if out.returncode != 0:
-            return None, []
-        listed = {int(word) for word in out.stdout.split() if word.strip().isdigit()}
+        listed = {int(word) for word in out.split() if word.strip().isdigit()}
         if not listed & pids or time.monotonic() >= deadline:
             return sorted(listed & pids), sorted(listed - pids)
         time.sleep(1.0)

@@ -21,24 +21,36 @@ class GPUInfo:
     memory_mib: int
 
 
+def nvidia_smi(*query: str, timeout_s: float = 20.0) -> str | None:
+    """`nvidia-smi <query> --format=csv,noheader,nounits`'s output, or None on a node without
+    it or where it fails (one place for every GPU query: the profile match, `serve stop`'s
+    check that the GPUs are free)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run(
+            [smi, *query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
 def detect_gpus() -> list[GPUInfo]:
     """GPUs visible to this process: from nvidia-smi when present, else torch.cuda."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
+    out = nvidia_smi("--query-gpu=name,memory.total")
+    if out is not None:
         try:
-            out = subprocess.run(
-                [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=True,
-            ).stdout
             gpus = []
             for line in out.strip().splitlines():
                 name, mem = (part.strip() for part in line.rsplit(",", 1))
                 gpus.append(GPUInfo(name=name, memory_mib=int(float(mem))))
             return gpus
-        except (subprocess.SubprocessError, ValueError, OSError):
+        except ValueError:
             pass
     try:
         import torch
