@@ -134,24 +134,30 @@ def measure_parts(
     first = first_process()
     parts: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    for part, seconds in budget.items():
-        measure = (
-            calibration_measure.measure_extraction if part == "extract" else calibration_measure.measure_training
-        )
-        try:
-            parts[part] = measure(p, profile, sequences, seconds, progress)
-        except calibration.PartSkipped as exc:
-            skipped[part] = one_line(exc)
-        except (SystemExit, Exception) as exc:
-            if not keep_going:
-                raise
-            skipped[part] = one_line(exc)
-        if first:
-            say(
-                summary(part, parts[part])
-                if part in parts
-                else f"{part} not measured: {skipped[part]}"
-            )
+    measures = {
+        "extract": calibration_measure.measure_extraction,
+        "train": calibration_measure.measure_training,
+    }
+    try:
+        for part, seconds in budget.items():
+            try:
+                parts[part] = measures[part](p, profile, sequences, seconds, progress and first)
+            except calibration.PartSkipped as exc:
+                skipped[part] = one_line(exc)
+            except (SystemExit, Exception) as exc:
+                if not keep_going:
+                    raise
+                skipped[part] = one_line(exc)
+            if first:
+                say(
+                    summary(part, parts[part])
+                    if part in parts
+                    else f"{part} not measured: {skipped[part]}"
+                )
+    finally:
+        # One process group for both parts: joining a second over the same store races (a
+        # rank passes the new group's barrier on the old group's keys while its peer waits).
+        distributed.close()
     return parts, skipped
 
 

@@ -52,7 +52,6 @@ def measure_extraction(
     """The target forward as extraction runs it, over the measured sequences."""
     from draftline.core.target import load_model
     from draftline.ops import calibration_parts as parts
-    from draftline.runtime import distributed
 
     execution, device = _device(profile)
     rows, source = training_sequences(sequences, p)
@@ -70,7 +69,6 @@ def measure_extraction(
         result = node_extraction(result, world)
     finally:
         bar.close()
-        distributed.close()
     peak, peak_source = parts.peak_flops(device)
     parts.add_mfu(result, peak, world)
     return {**result, "sequences_from": source, "peak_source": peak_source}
@@ -108,7 +106,6 @@ def measure_training(
     from draftline.drafter.dflash import TargetHead
     from draftline.drafter.sharding import Layout
     from draftline.ops import calibration_parts as parts
-    from draftline.runtime import distributed
 
     execution, device = _device(profile)
     hp = Hyperparameters.from_params(p["drafter"])
@@ -135,7 +132,6 @@ def measure_training(
         )  # fmt: skip
     finally:
         bar.close()
-        distributed.close()
     peak, peak_source = parts.peak_flops(device)
     parts.add_mfu(result, peak, result["world_size"])
     result["tokens_per_s"] = result["sequence_tokens_per_s"]
