@@ -97,6 +97,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary folder with params.yaml, the `validate` stage's working directory (the
+    validate stage's tests and the quality tests that run it)."""
+    # Imported here: the validate stage loads Great Expectations, which most tests never need.
+    from helpers.generated_samples import write_params
+    from helpers.validate_stage import NUM_SHARDS
+
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, NUM_SHARDS)
+    return tmp_path
+
+
+@pytest.fixture
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A HOME of its own and no AWS settings from this machine, so credential lookups (DVC's
     config, botocore) run for real on what the test sets up."""

@@ -1,7 +1,7 @@
 """The DFlash2 drafter equals z-lab's `DFlash2DraftModel` (z-lab/dflash `dflash/model.py`, the
 version with DFlash2), loaded strictly from our exported checkpoint, on the Qwen3.6 twin.
 
-The reference is the DFlash one of test_dflash_reference.py (transformers' Qwen3 parts, one
+The reference is the DFlash one of tests/helpers/dflash_reference.py (transformers' Qwen3 parts, one
 block per call) with z-lab's DFlash2 additions spelled out below under z-lab's names:
 `GroupedDynamicCausalConv` around each layer's attention and MLP (`prepare` before the sublayer,
 `finish` after it, as z-lab's `Qwen3DFlashDecoderLayer.forward`), `_grouped_dynamic_convolve`
@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_dflash_reference import (
+from helpers.dflash_reference import (
     BLOCK,
     LAYER_IDS,
     LAYOUT,

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from helpers.evaluation_helpers import LAYER_IDS, MASK_ID, B, make_drafter, save_word_tokenizer
 from helpers.tiny_qwen3 import END_OF_TURN, VOCAB, tiny_qwen3
-from test_evaluation import LAYER_IDS, MASK_ID, B, make_drafter, save_word_tokenizer
 
 from draftline.drafter.evaluation import Cycle, TauReport, evaluate_drafter, target_logits
 from draftline.drafter.features import target_layer_states

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers.evaluation_helpers import LAYER_IDS, MASK_ID, B, make_drafter, save_word_tokenizer
 from helpers.tiny_qwen3 import END_OF_TURN, VOCAB, generated_row, tiny_qwen3, write_shard
 
 from draftline.core.continuation import greedy_continuations
-from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.evaluation import (
     Cycle,
     Sampling,
@@ -34,9 +33,6 @@ from draftline.stages import evaluate as evaluate_stage
 pytestmark = pytest.mark.float_kernels
 
 torch.set_num_threads(1)
-B = 4
-LAYER_IDS = [1, 2, 4]
-MASK_ID = VOCAB - 1
 
 
 def perfect(tokens):
@@ -90,15 +86,6 @@ def test_summary_rates_and_histogram():
 @pytest.fixture(scope="module")
 def target():
     return tiny_qwen3(num_layers=6)
-
-
-def make_drafter(target, seed: int = 0) -> DFlashDrafter:
-    config = DFlashConfig.from_target(
-        target.config.to_dict(), num_hidden_layers=2, block_size=B, mask_token_id=MASK_ID,
-        target_layer_ids=LAYER_IDS,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return DFlashDrafter(config, TargetHead.from_model(target)).eval()
 
 
 def simulate_speculative_sampling(p: torch.Tensor, q: torch.Tensor, left: int, n: int) -> float:
@@ -217,21 +204,6 @@ def test_greedy_continuations_match_a_token_by_token_argmax(target):
             if nxt == END_OF_TURN:
                 break
         assert continuation == ids[len(prompt) :]
-
-
-def save_word_tokenizer(folder: Path) -> None:
-    """A real tokenizer for the stage: one word per id, with the chat and mask specials."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    vocab["<|im_end|>"], vocab["<|MASK|>"] = END_OF_TURN, MASK_ID
-    del vocab[f"w{END_OF_TURN}"], vocab[f"w{MASK_ID}"]
-    core = Tokenizer(WordLevel(vocab, unk_token="w0"))
-    core.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0").save_pretrained(folder)
 
 
 def test_evaluate_stage_reports_trained_and_untrained_tau(target, tmp_path):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.small_drafter import BLOCK, HIDDEN, SLIDING, VOCAB, WINDOW
+from helpers.small_drafter import make_drafter as make_model_drafter
 from safetensors import safe_open
-from test_dflash_model import BLOCK, HIDDEN, VOCAB
-from test_dflash_model import make_drafter as make_model_drafter
 from transformers import AutoConfig, Qwen3Model
 
 from draftline.drafter.dflash import DFlashConfig, DFlashDrafter
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
 
 LAYERS = 2
-TARGET_LAYER_IDS = [0, 1, 2]  # those of test_dflash_model.make_drafter
+TARGET_LAYER_IDS = [0, 1, 2]  # those of helpers.small_drafter.make_drafter
 # config.json fields that SGLang, vLLM and the reference read (sgl-project/sglang's and vLLM's
 # DFlash loaders, z-lab/dflash `dflash/model.py`).
 REQUIRED_FIELDS = (
@@ -129,8 +129,6 @@ def test_loading_a_checkpoint_with_a_missing_weight_fails(tmp_path: Path) -> Non
 def test_sliding_layout_is_exported_and_read_back(tmp_path: Path) -> None:
     """`layer_types`, `use_sliding_window` and `sliding_window` as SpecForge's Qwen3.6-27B
     config writes them; transformers' Qwen3 builds the same layers from it."""
-    from test_dflash_model import SLIDING, WINDOW
-
     drafter = make_model_drafter(0, layers=LAYERS, layer_types=SLIDING)
     folder = export_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
     config = json.loads((folder / "config.json").read_text())

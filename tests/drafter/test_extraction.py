@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.extraction_helpers import LAYER_IDS, MAX_LENGTH, settings
 from helpers.tiny_qwen3 import END_OF_TURN, generated_row, random_rows, tiny_qwen3, write_shard
 
 from draftline.core.loss_mask import loss_mask
@@ -23,16 +24,7 @@ from draftline.drafter.packs import load_pack, read_index
 
 pytestmark = pytest.mark.float_kernels
 torch.set_num_threads(1)
-TESTS = Path(__file__).resolve().parent
-LAYER_IDS = [1, 2, 4]
-MAX_LENGTH = 100
-
-
-def settings(features: str = "offline", max_length: int = MAX_LENGTH) -> ExtractSettings:
-    return ExtractSettings(
-        features=features, max_length=max_length, target_layer_ids=LAYER_IDS,
-        model_ref="tiny-test", hidden_size=32, pack_tokens=300, tokens_per_batch=256,
-    )  # fmt: skip
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +157,10 @@ KILLED_RUN = """
 import sys, time
 from pathlib import Path
 import safetensors.torch
-sys.path[:0] = [{tests!r}, {helpers_root!r}]
+sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
-from test_extraction import settings
+from helpers.extraction_helpers import settings
 from helpers.tiny_qwen3 import tiny_qwen3
 from draftline.drafter.extraction import extract
 
@@ -192,7 +184,6 @@ def test_pack_killed_mid_write_is_redone_and_index_comes_last(offline_dir, shard
     out = tmp_path / "out"
     script = KILLED_RUN.format(
         tests=str(TESTS),
-        helpers_root=str(TESTS.parent),
         shards=[str(s) for s in shards],
         out=str(out),
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_objective import LargestAllocation
+from helpers.largest_allocation import LargestAllocation
 
 from draftline.drafter.build import load_target_head
 from draftline.drafter.linear_cross_entropy import (

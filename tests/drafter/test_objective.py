@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers.largest_allocation import LargestAllocation
 
 from draftline.drafter.objective import (
     anchor_generator,
@@ -118,28 +117,6 @@ def test_block_loss_is_weighted_cross_entropy_with_per_position_accuracy(monkeyp
     hidden.grad = None
     expected.backward()
     assert torch.allclose(chunked, hidden.grad, atol=1e-5)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any op allocates (outputs that are views of inputs excluded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = (0, "")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                size = t.untyped_storage().nbytes()
-                if size > self.largest[0]:
-                    self.largest = (size, f"{func}: {t.dtype} {tuple(t.shape)}")
-        return out
 
 
 def test_block_loss_under_bf16_autocast_makes_no_copy_of_the_head():

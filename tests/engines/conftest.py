@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_helpers import engines_python, export_tiny_drafter
+from helpers.engine_helpers import engines_python, export_tiny_drafter
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_helpers import REPO, engine_env
+from helpers.engine_helpers import REPO, engine_env
 
 from draftline.commands import doctor
 from draftline.runtime import params

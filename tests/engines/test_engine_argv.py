@@ -20,7 +20,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from engine_helpers import REPO, export_tiny_drafter, run_in_engines
+from helpers.engine_helpers import REPO, export_tiny_drafter, run_in_engines
 
 from draftline import cli
 from draftline.generation import engine_argv_check

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine_helpers import HERE, export_tiny_drafter, run_in_engines
+from helpers.engine_helpers import CHECKS, export_tiny_drafter, run_in_engines
 from safetensors.torch import load_file, save_file
 
 from draftline.drafter.dflash import FULL, SLIDING
@@ -50,11 +50,13 @@ SGLANG_STANDINS = {
 
 
 def sglang(engine_python: Path, drafter: Path) -> dict:
-    return run_in_engines(engine_python, HERE / "check_dflash_sglang.py", {"drafter": str(drafter)})
+    return run_in_engines(
+        engine_python, CHECKS / "check_dflash_sglang.py", {"drafter": str(drafter)}
+    )
 
 
 def vllm(engine_python: Path, drafter: Path) -> dict:
-    return run_in_engines(engine_python, HERE / "check_dflash_vllm.py", {"drafter": str(drafter)})
+    return run_in_engines(engine_python, CHECKS / "check_dflash_vllm.py", {"drafter": str(drafter)})
 
 
 def problems(sglang_answer: dict, vllm_answer: dict) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from engine_helpers import HERE, REPO, run_in_engines
+from helpers.engine_helpers import CHECKS, REPO, run_in_engines
 
 from draftline.core.loss_mask import special_ids
 from draftline.core.target import load_tokenizer
@@ -21,7 +21,7 @@ from draftline.generation.turns import Conversation
 
 pytestmark = pytest.mark.engines
 
-CHECKER = HERE / "check_requests.py"
+CHECKER = CHECKS / "check_requests.py"
 SAMPLINGS = (
     Sampling(max_new_tokens=128),  # greedy
     Sampling(max_new_tokens=8192, temperature=1.0, top_p=0.95, top_k=20, seed=7),

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import (
-    HERE,
+from helpers.engine_helpers import (
+    CHECKS,
     REPO,
     dry_run,
     profile,
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.engines
 MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
 GPU_PROFILES = ("pro6000x4", "b200x8")
 MODES = ("none", "own", "dflash")
-CHECKER = HERE / "check_sglang_startup.py"
+CHECKER = CHECKS / "check_sglang_startup.py"
 DETERMINISTIC = ("model.serving.deterministic_inference=true",)
 BF16 = ("model.serving.quantization=null",)
 # models/tiny-qwen36/config.json names its layers by `layer_types` only; SGLang 0.5.23's

@@ -17,7 +17,16 @@ import time
 
 import pytest
 from helpers.generate_helpers import STANDIN, free_port
-from test_serve import PROFILES, STANDIN_IDS, TARGET, flags, pid_file, post_generate, serve, workdir
+from helpers.serve_helpers import (
+    PROFILES,
+    STANDIN_IDS,
+    TARGET,
+    flags,
+    pid_file,
+    post_generate,
+    serve,
+    workdir,
+)
 
 from draftline.generation import server_process, sglang_server
 from draftline.generation.engines import choose

@@ -1,4 +1,5 @@
-"""The `validate` stage run in a temporary folder of generated shards (tests/quality)."""
+"""The `validate` stage run in a temporary folder of generated shards (tests/stages/test_validate*
+and the quality tests that run it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The quality checks (draftline.quality.checks) on pandas tables: the definitions the online guard
-and the validate stage share. The GX side is tested in test_validate.py."""
+and the validate stage share. The GX side is tested in tests/stages/test_validate.py."""
 
 from __future__ import annotations
 

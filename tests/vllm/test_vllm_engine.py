@@ -17,17 +17,12 @@ import pytest
 import torch
 from helpers.generate_helpers import free_port
 from helpers.vllm_figures import record
+from helpers.vllm_helpers import EOT, PROFILE, ask, greedy, prompts
 
 from draftline.generation import server_process, vllm_server
-from draftline.generation.engines.base import Request, Result, Sampling
-from draftline.generation.engines.sglang import ClientSettings
-from draftline.generation.engines.vllm import VLLMEngine
-from draftline.runtime import hardware
+from draftline.generation.engines.base import Sampling
 
 pytestmark = pytest.mark.vllm
-
-EOT = 2
-PROFILE = hardware.load_profiles(Path(__file__).resolve().parents[2] / "conf")["vllm_cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +38,6 @@ def server(
         yield state
     finally:
         server_process.stop(state, root=root)
-
-
-def prompts(n: int) -> list[Request]:
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(5, 40, (n,), generator=g).tolist()
-    return [Request(f"p{i}", torch.randint(6, 1536, (k,), generator=g).tolist()) for i, k in
-            enumerate(lengths)]  # fmt: skip
-
-
-def ask(url: str, requests: list[Request], sampling: Sampling) -> dict[str, Result]:
-    engine = VLLMEngine(ClientSettings(endpoints=(url,), max_in_flight=8), sampling, EOT)
-    out: dict[str, Result] = {}
-    engine.generate(requests, lambda r: out.__setitem__(r.id, r))
-    assert sorted(out) == sorted(r.id for r in requests)  # each exactly once
-    return out
-
-
-def greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=EOT, pad_token_id=0,
-        )  # fmt: skip
-    ids = out[0, len(prompt) :].tolist()
-    return ids[: ids.index(EOT) + 1] if EOT in ids else ids
 
 
 def test_greedy_ids_equal_transformers_token_for_token(server, random_target: Path) -> None:

@@ -21,12 +21,10 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from helpers.embedded_run import copy_project, run
 from helpers.generate_helpers import free_port
 from helpers.vllm_figures import record
-from test_pipeline import copy_project, run
 
-# The pipeline tests' throwaway copy of this repository (copy_project) and their way of running
-# this environment's `draftline` and `dvc` in it (run).
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.generate_helpers import free_port
 from helpers.vllm_figures import record
-from test_vllm_engine import EOT, PROFILE, ask, greedy, prompts
+from helpers.vllm_helpers import EOT, PROFILE, ask, greedy, prompts
 
 from draftline.generation import bench, server_process, vllm_server
 from draftline.generation.engines.base import Sampling

@@ -38,15 +38,21 @@ from helpers.generate_helpers import (
     run_generate,
     sglang_hardware,
 )
+from helpers.serve_helpers import (
+    PROFILES,
+    REPO,
+    STANDIN_IDS,
+    TARGET,
+    flags,
+    is_running,
+    pid_file,
+    post_generate,
+    serve,
+    workdir,
+)
 
 from draftline.generation import server_process, sglang_server
 from draftline.generation.sglang_server import ServeError, server_command, server_url
-from draftline.runtime import hardware
-
-REPO = Path(__file__).resolve().parents[2]
-PROFILES = hardware.load_profiles(REPO / "conf")
-TARGET = yaml.safe_load((REPO / "conf/model/qwen3_6_27b.yaml").read_text(encoding="utf-8"))
-STANDIN_IDS = ["--think-start", "3", "--think-end", "4", "--vocab-low", "10", "--vocab-high", "300"]
 
 LAUNCHER = f"""#!{sys.executable}
 # Stand-in for `python -m sglang_router.launch_server`: SGLang needs a GPU. It starts an "engine"
@@ -58,16 +64,6 @@ with open(engine_pid_file, "w") as f:
     f.write(str(engine.pid))
 os.execv(sys.executable, [sys.executable, {str(STANDIN)!r}, *flags])
 """
-
-
-def flags(command: list[str]) -> dict[str, str | bool]:
-    """`--flag value` pairs and bare `--switch`es of a command line."""
-    out: dict[str, str | bool] = {}
-    for i, arg in enumerate(command):
-        if arg.startswith("--"):
-            nxt = command[i + 1] if i + 1 < len(command) else None
-            out[arg] = nxt if nxt is not None and not nxt.startswith("--") else True
-    return out
 
 
 # Command lines from the profiles.
@@ -263,22 +259,6 @@ def test_python_and_launcher_from_the_environment(monkeypatch):
 # The CLI in a working folder laid out like the repository.
 
 
-def workdir(root: Path, hardware_name: str = "pro6000x4") -> Path:
-    shutil.copytree(REPO / "conf", root / "conf")
-    params = {"model": TARGET, "hardware": PROFILES[hardware_name], "generate": {}}
-    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    return root
-
-
-def serve(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    proc = subprocess.run(
-        [sys.executable, "-m", "draftline", "serve", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 @pytest.mark.parametrize("name", ["pro6000x4", "b200x8"])
 def test_cli_dry_run_prints_the_profile_command(tmp_path, name):
     root = workdir(tmp_path, name)
@@ -325,16 +305,6 @@ def launcher(tmp_path) -> tuple[dict[str, str], Path, Path]:
     engine_pid, argv = tmp_path / "engine.pid", tmp_path / "argv.json"
     command = [str(script), str(engine_pid), *STANDIN_IDS, "--argv-log", str(argv)]
     return {sglang_server.LAUNCHER_ENV: shlex.join(command)}, engine_pid, argv
-
-
-def pid_file(root: Path, port: int) -> dict:
-    return json.loads(sglang_server.state_path(port, root).read_text(encoding="utf-8"))
-
-
-def is_running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    fields = server_process._stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -407,18 +377,6 @@ def test_start_status_stop_lifecycle(tmp_path, launcher):
     assert not sglang_server.state_path(port, root).exists()
     rc, out = serve(root, "status")
     assert "no server started" in out
-
-
-def post_generate(url: str) -> int:
-    body = json.dumps({"input_ids": [1, 7, 8, 2], "sampling_params": {"max_new_tokens": 8}})
-    request = urllib.request.Request(
-        f"{url}/generate", body.encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def test_the_router_counts_as_ready_only_when_every_engine_is(tmp_path, launcher):

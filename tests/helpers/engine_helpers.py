@@ -15,7 +15,7 @@ from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
 from draftline.drafter.export import export_drafter
 
 REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
+CHECKS = REPO / "tests" / "engines"  # the check scripts, run in the engines' environment
 
 
 def engines_python() -> Path:

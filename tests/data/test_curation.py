@@ -1,13 +1,13 @@
-"""The curate library and stage on small synthetic inputs written in tmp_path, with the real tiny
-target tokenizer (models/tiny-target): every input format and container, normalisation, ids,
-dedupe, every reject reason, the reject-rate failure, byte-identical reruns, stable splits, the
+"""The curate library on small synthetic inputs written in tmp_path, with the real tiny target
+tokenizer (models/tiny-target): every input format and container, normalisation, ids, dedupe,
+every reject reason, byte-identical results whatever the chunks and workers, stable splits, the
 fast rendering/counting paths against the chat template and the tokenizer themselves, and tool
 turns and calls (kept, stored and read back; refused by a template that cannot render them, the
-tiny target's; rendered by one that can, models/tiny-qwen36's)."""
+tiny target's; rendered by one that can, models/tiny-qwen36's). The stage is tested in
+tests/stages/test_curate.py."""
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
@@ -18,7 +18,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from helpers.curate_helpers import (
+    BUDGET,
+    THINKING,
+    mixed_input,
+    msg,
+    rejected_rows,
+    write_rows,
+)
 
 from draftline.core.target import load_tokenizer, prompt_ids, render_prompt
 from draftline.data import curation
@@ -32,10 +39,6 @@ from draftline.data.conversations import (
 from draftline.data.curation import CurateSettings, conversation_id, curate
 from draftline.data.input_files import BrokenInputFiles, Rejection, read_rows
 from draftline.data.prompt_tokens import PromptTokenCounter
-from draftline.stages import curate as stage
-
-BUDGET = 256
-THINKING = {"enable_thinking": True}
 
 
 @pytest.fixture(scope="session")
@@ -57,26 +60,6 @@ def settings(**overrides: Any) -> CurateSettings:
         "workers": 0,
     }
     return CurateSettings(**{**values, **overrides})
-
-
-def write_rows(path: Path, rows: list[Any], gz: bool = False) -> Path:
-    """Rows as the file's suffix says (.jsonl/.json/.parquet); str rows are JSONL lines as-is."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".jsonl":
-        data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
-    elif path.suffix == ".json":
-        data = json.dumps(rows).encode()
-    else:
-        # Every row gets every column (null where it has none), as in a file of mixed rows.
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), sink)
-        data = sink.getvalue().to_pybytes()
-    if gz:
-        path = path.with_name(path.name + ".gz")
-        data = gzip.compress(data, mtime=0)
-    path.write_bytes(data)
-    return path
 
 
 def run(sources: list[Path], out: Path, **overrides: Any) -> curation.CurateResult:
@@ -102,14 +85,6 @@ def kept_rows(out: Path) -> list[dict[str, Any]]:
     for row in rows:
         row["messages"] = messages_from_records(row["messages"])
     return rows
-
-
-def rejected_rows(out: Path) -> list[dict[str, Any]]:
-    return pq.read_table(out / "rejected.parquet").to_pylist()
-
-
-def msg(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": content}
 
 
 def call(name: str, arguments: Any, **extra: Any) -> dict[str, Any]:
@@ -464,20 +439,6 @@ def test_an_empty_source_fails_with_a_clear_error(tmp_path):
         run([tmp_path / "empty.json"], tmp_path / "out")
 
 
-def test_stage_fails_on_a_cut_file_in_its_lines(tmp_path, tiny_target_dir, capsys):
-    folder = tmp_path / "in"
-    write_rows(folder / "a.jsonl", [{"prompt": f"p {i}"} for i in range(40)], gz=True)
-    data = (folder / "a.jsonl.gz").read_bytes()
-    (folder / "a.jsonl.gz").write_bytes(data[: len(data) // 2])
-    params = write_params(tmp_path, tiny_target_dir, [folder], max_reject_rate=0.9)
-    out, metrics_path = tmp_path / "data" / "curated", tmp_path / "metrics" / "curate.json"
-    assert stage.run(stage_args(params, out, metrics_path)) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == "curate: FAILED: 1 input file is cut short, corrupt or empty:"
-    assert err[1].startswith(f"  {folder / 'a.jsonl.gz'}: cut short or corrupt after ")
-    assert len(err) == 2 and not out.exists() and not metrics_path.exists()
-
-
 def test_raw_text_of_rejected_rows_from_every_container(tmp_path):
     row = {"conversations": [{"from": "narrator", "value": "x"}]}
     for container in ("jsonl", "json", "parquet"):
@@ -701,124 +662,7 @@ def test_template_rejects_what_it_cannot_render_and_keeps_the_rest(tmp_path, tok
 
 
 # ---------------------------------------------------------------------------------------------
-# The stage: threshold, determinism.
-
-
-def write_params(root: Path, tiny_target_dir: Path, sources: list[Path], **data: Any) -> Path:
-    params = {
-        "model": {"path": str(tiny_target_dir), "revision": None,
-                  "chat_template_kwargs": THINKING},
-        "drafter": {"name": "dflash_tiny"},
-        "data": {"name": "mixed", "sources": [str(s) for s in sources], "eval_fraction": 0.2,
-                 "num_shards": 3,
-                 "shard_ids": [0, 1, 2], "max_prompt_tokens": BUDGET, "max_reject_rate": 0.25,
-                 "split_seed": "test", **data},
-        "hardware": {"name": "cpu", "engine": "local", "precision": "fp32"},
-    }  # fmt: skip
-    path = root / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-def stage_args(params: Path, out: Path, metrics: Path) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    stage.add_arguments(parser)
-    return parser.parse_args(
-        [
-            "--params",
-            str(params),
-            "--out",
-            str(out),
-            "--metrics",
-            str(metrics),
-            "--no-progress",
-            "--run-log",
-            str(metrics.with_suffix(".run.json")),
-            "--report",
-            str(metrics.with_suffix(".report.json")),
-        ]  # fmt: skip
-    )
-
-
-def mixed_input(folder: Path, good: int, bad: int) -> None:
-    rng = random.Random(0)
-    rows: list[Any] = []
-    for i in range(good):
-        turns = [{"from": "human", "value": f"Question {i}: {rng.random():.6f}?"}]
-        if i % 3 == 0:
-            turns += [{"from": "gpt", "value": "<think>\nok\n</think>\n\nSure."},
-                      {"from": "human", "value": "Again, in Français ✓"}]  # fmt: skip
-        rows.append({"conversations": turns})
-    for i in range(bad):
-        rows.insert(rng.randrange(len(rows) + 1), f'{{"broken": {i}')
-    write_rows(folder / "a.jsonl", rows[: len(rows) // 2])
-    write_rows(folder / "b.jsonl", rows[len(rows) // 2 :], gz=True)
-    write_rows(
-        folder / "c.parquet", [{"messages": [msg("user", f"parquet {i}")]} for i in range(9)]
-    )
-
-
-def test_stage_fails_over_the_reject_rate_saying_what_was_wrong(tmp_path, tiny_target_dir, capsys):
-    mixed_input(tmp_path / "in", good=20, bad=15)
-    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.25)
-    out, metrics_path = tmp_path / "data" / "curated", tmp_path / "metrics" / "curate.json"
-    assert stage.run(stage_args(params, out, metrics_path)) == 1
-    err = capsys.readouterr().err
-    assert "FAILED: 15 of 44 rows rejected (34.1%), over data.max_reject_rate=25.0%" in err
-    # Tables and metrics are written anyway, so the rejected rows can be read.
-    rejected = rejected_rows(out)
-    assert len(rejected) == 15
-    example = rejected[0]
-    assert (
-        f"malformed_json: 15 rows, e.g. {example['source']}:{example['line']}: "
-        f"{example['detail']}\n      {example['raw']}" in err
-    )
-    assert f"{out}/rejected.parquet" in err and "data.max_reject_rate" in err
-    # The report: results, then the run's identity (what `draftline plan` matches measured
-    # figures on); the DVC metrics: the figures that compare runs.
-    report = json.loads(metrics_path.with_suffix(".report.json").read_text())
-    assert report["rows_rejected"] == 15
-    assert set(report) == {*stage.RESULT_KEYS, "model", "data", "drafter"}
-    metrics = json.loads(metrics_path.read_text())
-    assert metrics == {k: report[k] for k in stage.COMPARE_KEYS}
-    summary = json.loads((out / "summary.json").read_text())  # the details, cached with the data
-    assert summary["rejected_by_reason"]["malformed_json"] == 15 and "shard_rows" in summary
-
-    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"], max_reject_rate=0.5)
-    assert stage.run(stage_args(params, out, metrics_path)) == 0
-    assert "FAILED" not in capsys.readouterr().err
-    # The run it measured, for `draftline plan`.
-    report = json.loads(metrics_path.with_suffix(".report.json").read_text())
-    assert (report["model"], report["data"], report["drafter"]) == (
-        str(tiny_target_dir),
-        "mixed",
-        "dflash_tiny",
-    )
-
-
-def test_two_runs_give_byte_identical_outputs(tmp_path, tiny_target_dir):
-    mixed_input(tmp_path / "in", good=60, bad=5)
-    params = write_params(tmp_path, tiny_target_dir, [tmp_path / "in"])
-    outputs = []
-    for name in ("one", "two"):
-        out, metrics = tmp_path / name / "curated", tmp_path / name / "curate.json"
-        assert stage.run(stage_args(params, out, metrics)) == 0
-        outputs.append(out)
-    files = sorted(p.relative_to(outputs[0]) for p in outputs[0].rglob("*") if p.is_file())
-    assert [f.as_posix() for f in files] == [
-        "eval.parquet", "rejected.parquet", "summary.json", "train/shard-0.parquet",
-        "train/shard-1.parquet", "train/shard-2.parquet",
-    ]  # fmt: skip
-    for f in files:
-        assert (outputs[0] / f).read_bytes() == (outputs[1] / f).read_bytes(), f
-    assert (tmp_path / "one" / "curate.json").read_bytes() == (
-        tmp_path / "two" / "curate.json"
-    ).read_bytes()
-    # Curated tables are sorted by id; every row is in the shard its id says.
-    for shard in range(3):
-        table = pq.read_table(outputs[0] / "train" / f"shard-{shard}.parquet")
-        ids = table.column("id").to_pylist()
-        assert ids == sorted(ids) and set(table.column("shard").to_pylist()) <= {shard}
+# Determinism: chunks, workers, added rows.
 
 
 def test_chunk_size_and_worker_processes_do_not_change_a_byte(tmp_path):

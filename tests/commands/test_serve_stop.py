@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from helpers.generate_helpers import STANDIN, free_port
-from test_serve import STANDIN_IDS, is_running, pid_file, serve, workdir
+from helpers.serve_helpers import STANDIN_IDS, is_running, pid_file, serve, workdir
 
 from draftline.generation import server_process, sglang_server
 
@@ -125,8 +125,9 @@ def test_stop_finds_engines_orphaned_by_a_dead_launcher(tmp_path):
 
 
 FAKE_SMI = """#!/bin/sh
-# Stand-in for `nvidia-smi --query-compute-apps=pid --format=csv,noheader`: prints $SMI_PIDS,
-# the first $SMI_HELD calls also $SMI_HELD_PID (a process the driver has not let go of yet).
+# Stand-in for `nvidia-smi --query-compute-apps=pid --format=csv,noheader,nounits`: prints
+# $SMI_PIDS, the first $SMI_HELD calls also $SMI_HELD_PID (a process the driver has not let go
+# of yet).
 n=$(cat "$SMI_COUNT" 2>/dev/null || echo 0); echo $((n + 1)) > "$SMI_COUNT"
 [ "$n" -lt "$SMI_HELD" ] && echo "$SMI_HELD_PID"
 for pid in $SMI_PIDS; do echo "$pid"; done
