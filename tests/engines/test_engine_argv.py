@@ -15,16 +15,13 @@ target's config from the hub and probe the GPU."""
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 
 import pytest
-from helpers.engine_helpers import REPO, export_tiny_drafter, run_in_engines
+from helpers.engine_helpers import REPO, dry_run, export_tiny_drafter, run_in_engines
 
-from draftline import cli
 from draftline.generation import engine_argv_check
-from draftline.runtime import params
 
 pytestmark = pytest.mark.engines
 
@@ -32,34 +29,6 @@ MODELS = sorted(p.stem for p in (REPO / "conf/model").glob("*.yaml"))
 GPU_PROFILES = ("pro6000x4", "b200x8", "vllm_b200x8")
 CHECKPOINT = "+model.serving.checkpoint={path:Qwen/Qwen3.6-27B-FP8,revision:main}"
 CHECKER = Path(engine_argv_check.__file__)
-
-
-def dry_run(
-    tmp: Path, model: str, hardware: str, *mode: str, overrides: tuple[str, ...] = ()
-) -> list[str]:
-    """The command `draftline serve start --dry-run` prints, without its environment."""
-    suffix = re.sub(r"[^\w.=-]+", "_", "".join(overrides))  # an override may hold a hub id
-    path = tmp / f"{model}-{hardware}{suffix}.yaml"
-    if not path.exists():
-        composed = params.compose(
-            [f"model={model}", f"hardware={hardware}", *overrides], REPO / "conf"
-        )
-        path.write_text(params.to_yaml(composed), encoding="utf-8")
-    out = _capture(["serve", "start", "--dry-run", "--params", str(path), *mode])
-    words = shlex.split(out.strip())
-    while words and "=" in words[0] and not words[0].startswith("-"):
-        words.pop(0)
-    return words
-
-
-def _capture(argv: list[str]) -> str:
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli.main(argv) == 0
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

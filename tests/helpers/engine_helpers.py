@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ def dry_run(
 
     from draftline.runtime import params
 
-    path = tmp / f"{model}-{hardware}{''.join(overrides)}.yaml"
+    suffix = re.sub(r"[^\w.=-]+", "_", "".join(overrides))  # an override may hold a hub id
+    path = tmp / f"{model}-{hardware}{suffix}.yaml"
     if not path.exists():
         composed = params.compose(
             [f"model={model}", f"hardware={hardware}", *overrides], REPO / "conf"
