@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.engine_helpers import tiny_drafter_config
 from safetensors import safe_open
 
-from draftline.drafter.dflash import DFlashConfig, DFlashDrafter, TargetHead
+from draftline.drafter.dflash import DFlashDrafter, TargetHead
 from draftline.drafter.memory import transformers_config
 from draftline.generation import sglang_caps
 from draftline.runtime import params
@@ -63,18 +64,8 @@ def test_text_weights_match_transformers(model):
 
 
 def test_dflash_drafter_weights_match_draftline_s_drafter():
-    config = DFlashConfig(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        vocab_size=128,
-        block_size=8,
-        mask_token_id=127,
-        target_layer_ids=[1, 2, 3],
-        num_target_layers=5,
+    config = tiny_drafter_config(
+        num_hidden_layers=3, intermediate_size=96, vocab_size=128, mask_token_id=127
     )
     head = TargetHead(torch.zeros(128, 64), torch.zeros(128, 64))
     drafter = DFlashDrafter(config, head)
