@@ -271,17 +271,19 @@ def test_exp_run_with_another_hardware_profile_composes_and_reruns_nothing(finis
 
 def test_six_new_tokens_stop_the_pipeline_at_validate(tmp_path):
     """The seed's pathology end to end: tiny answers pass generation (guard off, as when the
-    guard's window is not yet full) and validate refuses them; extract never runs. Slow
-    (~40 s): a pipeline of its own up to validate, since its generate params differ."""
+    guard's window is not yet full) and validate refuses them; extract never runs. A pipeline
+    of its own up to validate, since its generate params differ: on one shard, as the pathology
+    shows in any shard and each shard's generate costs its own target load."""
     repo = copy_project(tmp_path)
-    run(["draftline", "compose", "generate.max_new_tokens=6", "generate.guard=false"], repo)
+    overrides = ["generate.max_new_tokens=6", "generate.guard=false", "data.num_shards=1"]
+    run(["draftline", "compose", *overrides], repo)
     done = run(["dvc", "repro"], repo, check=False)
     assert done.returncode != 0
     stages = ran_stages(done.stdout)
     assert "validate" in stages, stages
     assert not [s for s in stages if s.startswith(("extract", "train"))], stages
     metrics = json.loads((repo / "metrics/validate.json").read_text())
-    assert metrics["passed"] is False
+    assert metrics["passed"] is False and metrics["completion_tokens_mean"] <= 6, metrics
     assert not (repo / "data/validated/verdict.json").exists()
     assert not (repo / "data/extracted").exists()
 
@@ -559,26 +561,22 @@ def test_benchmark_files_and_sources_are_eval_sets_with_their_own_metrics(finish
         assert figures["num_prompts"] == 3 and figures["tau"] >= 1.0 and figures["tau_sampled"]
     assert "tau_source" not in evaluated  # one input file: nothing to split
 
-    # Two input files in the held-out split (the curated eval table's `source`).
+    # Two input files in the held-out split (the curated eval table's `source`) and a thinking
+    # mix in it, in one evaluate (each a load of the target): per-source and per-mode tau in
+    # `dvc exp show`. Only the rows' labels change here (a real mix regenerates every stage:
+    # data.thinking_share), which is all evaluate groups by; tau itself stays the run's.
     curated = pd.read_parquet(copy / "data/curated/eval.parquet")
     curated["source"] = [f"data/{'code' if i % 2 else 'chat'}/set.{i % 2}.jsonl"
                          for i in range(len(curated))]  # fmt: skip
     two_sources = tmp_path / "eval_two_sources.parquet"
     curated.to_parquet(two_sources)
-    run(["draftline", "evaluate", "--curated-eval", str(two_sources), "--metrics",
-         str(tmp_path / "evaluate.json"), "--plots", str(tmp_path / "plots")], copy)  # fmt: skip
-    per_source = json.loads((tmp_path / "evaluate.json").read_text())
-    assert set(per_source["tau_source"]) == {"data/chat/set.0.jsonl", "data/code/set.1.jsonl"}
-    assert per_source["tau"] == evaluated["tau"]
-
-    # A thinking mix in the held-out split: per-mode tau in `dvc exp show`. Only the rows' mode
-    # labels are flipped here (a real mix regenerates every stage: data.thinking_share), which is
-    # all evaluate groups by; the stage's own output stays as dvc.lock has it.
     held_out = pd.read_parquet(copy / "data/generated/eval.parquet")
     held_out["thinking"] = [i % 2 == 0 for i in range(len(held_out))]
     mixed = tmp_path / "eval_mixed.parquet"
     held_out.to_parquet(mixed)
-    run(["draftline", "evaluate", "--eval", str(mixed)], copy)
+    run(["draftline", "evaluate", "--curated-eval", str(two_sources), "--eval", str(mixed)], copy)
     shown = json.loads(run(["dvc", "exp", "show", "--json"], copy).stdout)
-    evaluated = shown[0]["data"]["metrics"]["metrics/evaluate.json"]["data"]
-    assert {"tau", "tau_sampled", "tau_thinking", "tau_no_thinking"} <= set(evaluated)
+    split = shown[0]["data"]["metrics"]["metrics/evaluate.json"]["data"]
+    assert set(split["tau_source"]) == {"data/chat/set.0.jsonl", "data/code/set.1.jsonl"}
+    assert {"tau_thinking", "tau_no_thinking"} <= set(split)
+    assert split["tau"] == evaluated["tau"]
