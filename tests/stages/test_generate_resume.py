@@ -3,6 +3,7 @@ lost, and samples finished before the kill are not generated again.
 
 The SGLang runs use the stand-in server (tests/helpers/sglang_standin.py, SGLang's `/generate`
 protocol) in its own process; its request log counts what was generated after the restart.
+Killed runs are `draftline generate` subprocesses; the others run in this process.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from helpers.generate_helpers import (
     build_random_target,
     generate_here,
     make_workdir,
-    run_generate,
     sglang_hardware,
 )
 
+from draftline import cli
 from draftline.generation.engines.base import Result
 from draftline.generation.journal import Journal
 
@@ -107,8 +108,7 @@ def test_kill_9_mid_shard_then_resume_on_sglang(tmp_path, model_dir):
         with open(tmp_path / JOURNAL, "ab") as f:
             f.write(b'{"id": "' + ids[-1].encode() + b'", "completion_ids": [3, 1')
         asked_before = len(server.rids())
-        proc = run_generate(tmp_path, "--shard", "0")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        generate_here(tmp_path, "--shard", "0")
         asked_after = {r.rsplit("-", 1)[0] for r in server.rids()[asked_before:]}
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids  # exactly the curated ids, once each, sorted
@@ -128,8 +128,7 @@ def test_kill_9_mid_shard_then_resume_on_the_local_engine(tmp_path, model_dir):
         tmp_path, model_dir, n=60, hardware=LOCAL_CPU, max_new_tokens=40, generate={"guard": False}
     )
     done_before = start_and_kill(tmp_path, random.Random().randint(2, 30))
-    proc = run_generate(tmp_path, "--shard", "0")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    generate_here(tmp_path, "--shard", "0")
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids
     metrics = json.loads((tmp_path / "logs/runs/generate/shard-0.json").read_text())
@@ -336,7 +335,9 @@ def test_journal_of_another_chat_template_is_set_aside(tmp_path):
     j.close()
 
 
-def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_path, model_dir):
+def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(
+    tmp_path, model_dir, monkeypatch, capsys
+):
     server = StandIn(tmp_path, "--delay", "0.4")
     ids = make_workdir(
         tmp_path,
@@ -351,23 +352,25 @@ def test_errors_below_the_threshold_are_kept_as_rows_and_retried_on_rerun(tmp_pa
             "max_error_share": 0.2,
         },
     )
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     with server:
-        proc = run_generate(tmp_path, "--shard", "0")
+        status = cli.main(["generate", "--no-progress", "--shard", "0"])
     # Every request timed out: far above max_error_share, so the shard fails and says why.
-    assert proc.returncode == 1
-    assert "max_error_share" in proc.stdout and "within 0.2s" in proc.stdout
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "max_error_share" in out and "within 0.2s" in out
     assert not (tmp_path / "data/generated/train/shard-0.parquet").exists()
     # The failures are journaled as errors and are generated again by the next run.
     asked_before = len(server.rids())
     with StandIn(tmp_path, port=server.port) as again:  # same port: appends to the same log
-        proc = run_generate(tmp_path, "--shard", "0")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        generate_here(tmp_path, "--shard", "0")
         assert sorted(set(again.sample_ids()[asked_before:])) == ids
     table = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert [r["id"] for r in table] == ids and {r["finish_reason"] for r in table} == {"stop"}
 
 
-def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir):
+def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir, monkeypatch):
     """Two endpoints in DRAFTLINE_SGLANG_ENDPOINTS; one dies mid-shard. The stage goes on with
     the other and the shard holds every curated id exactly once, with no error row."""
     alive = StandIn(tmp_path, "--delay", "0.02")
@@ -376,9 +379,8 @@ def test_an_endpoint_dying_mid_shard_leaves_the_shard_whole(tmp_path, model_dir)
         tmp_path, model_dir, n=160, hardware=sglang_hardware(alive.port, 8), max_new_tokens=64
     )
     with alive, dies:
-        endpoints = f"{alive.url},{dies.url}"
-        proc = run_generate(tmp_path, "--shard", "0", env={"DRAFTLINE_SGLANG_ENDPOINTS": endpoints})
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        monkeypatch.setenv("DRAFTLINE_SGLANG_ENDPOINTS", f"{alive.url},{dies.url}")
+        generate_here(tmp_path, "--shard", "0")
         assert dies.proc.wait(5) != 0  # it did die, mid-shard
         served_by_dying = set(dies.sample_ids())
     assert 20 <= len(served_by_dying) < len(ids)
@@ -403,8 +405,7 @@ def test_a_thinking_share_renders_each_prompt_in_its_own_mode(tmp_path, model_di
         params["data"]["thinking_share"] = 0.5
         params["data"]["regenerate_turns"] = "last"  # the dataset's history: prompts as curated
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-        done = run_generate(tmp_path, "--shard", "0")
-        assert done.returncode == 0, done.stdout + done.stderr
+        generate_here(tmp_path, "--shard", "0")
     rows = pq.read_table(tmp_path / "data/generated/train/shard-0.parquet").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ids)
     modes = {r["id"]: r["thinking"] for r in rows}
@@ -462,8 +463,7 @@ def test_a_bundled_multi_turn_conversation_resumes_mid_conversation_to_the_same_
             done_before = start_and_kill(work, len(ids) + 2)
             assert any(k.endswith("#1") for k in done_before)
             assert len(done_before) < 3 * len(ids)  # each has three turns or more
-        proc = run_generate(work, "--shard", "0")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        generate_here(work, "--shard", "0")
         tables.append(pq.read_table(work / "data/generated/train/shard-0.parquet"))
         if kill:
             metrics = json.loads((work / "logs/runs/generate/shard-0.json").read_text())
