@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from configobj import ConfigObj
+
 from helpers.s3_server import S3Server, aws_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -173,12 +175,36 @@ def clone_node(
 ) -> Path:
     """A node: a fresh clone whose `.dvc/config.local` points the s3 remote at the test bucket."""
     run(["git", "clone", "-q", str(origin), str(dest)], origin.parent, env)
-    run(["dvc", "remote", "modify", "--local", "s3", "url", f"s3://{bucket}/dvc"], dest, env)
-    if server is not None:
-        run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", server.endpoint], dest, env)
-    if jobs:
-        run(["dvc", "remote", "modify", "--local", "s3", "jobs", str(jobs)], dest, env)
+    point_remote(dest, server, bucket, jobs)
     return dest
+
+
+def point_remote(node: Path, server: S3Server | None, bucket: str, jobs: int | None = None) -> None:
+    """Set the s3 remote's url (and endpoint, jobs) in `.dvc/config.local`, keeping its other
+    settings: what `dvc remote modify --local s3 ...` writes, without a `dvc` process each."""
+    config = ConfigObj(str(node / ".dvc" / "config.local"))
+    config.indent_type = "    "  # as DVC writes it
+    remote = config.setdefault('remote "s3"', {})
+    remote["url"] = f"s3://{bucket}/dvc"
+    if server is not None:
+        remote["endpointurl"] = server.endpoint
+    if jobs:
+        remote["jobs"] = str(jobs)
+    config.write()
+
+
+def copy_node(node: Path, tmp: Path, env: dict[str, str], server: S3Server, bucket: str) -> Path:
+    """A copy in `tmp` of a prepared node and of the bare origin beside it (`origin.git`), the
+    copy's git remote `origin` pointing at the copied origin and its DVC remote at `bucket`.
+    `cp -a` keeps the hard links between the DVC cache and the workspace, as the node has
+    them."""
+    origin = tmp / "origin.git"
+    run(["cp", "-a", str(node.parent / "origin.git"), str(origin)], tmp, env)
+    copy = tmp / node.name
+    run(["cp", "-a", str(node), str(copy)], tmp, env)
+    run(["git", "remote", "set-url", "origin", str(origin)], copy, env)
+    point_remote(copy, server, bucket)
+    return copy
 
 
 def salvage(

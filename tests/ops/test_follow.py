@@ -5,7 +5,9 @@ commands and files, so the two-node protocol (real git origin, real DVC, moto's 
 remote) runs in seconds. The real stages are in test_two_nodes.py.
 The stand-in's generation refuses to run on the training node (a marker file there), so a
 follower that ever generated would fail. Both nodes clone a commit whose dvc.lock lists every
-stage from an earlier run on other data, as a clone of main does."""
+stage from an earlier run on other data, as a clone of main does.
+The earlier run, and a lead finished before its follower starts, are made once per module;
+each test works on copies of them (git origin, bucket) of its own."""
 
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, clone_node, run
 
+from draftline.ops.retrying import FIRST_PAUSE_S
 from draftline.runtime import pipeline_shape
 
 SHARDS = 3
@@ -118,10 +122,13 @@ def stand_in_pipeline() -> str:
     return yaml.safe_dump({"stages": stages}, sort_keys=False)
 
 
-def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
-    """A bare origin whose commit carries a dvc.lock of an earlier run on other data (stale)."""
-    work = tmp / "seed"
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory: pytest.TempPathFactory, server: S3Server) -> Path:
+    """The stand-in pipeline in a fresh repository after an earlier run on other data (every
+    stage in dvc.lock), not yet committed: run once per module, each test commits a copy."""
+    work = tmp_path_factory.mktemp("earlier") / "seed"
     work.mkdir()
+    env = base_env(work.parent, server)
     run(["git", "init", "-q", "-b", "main"], work, env)
     run(["dvc", "init", "-q"], work, env)
     root = Path(__file__).resolve().parents[2]
@@ -137,6 +144,13 @@ def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     (work / ".gitignore").write_text(".draftline/\nlogs/\n.training-node\n*.log\n")
     run(["dvc", "repro", "-q"], work, env)  # the earlier run: every stage in dvc.lock
+    return work
+
+
+def make_origin(tmp: Path, env: dict[str, str], earlier: Path, source: str) -> Path:
+    """A bare origin whose commit carries a dvc.lock of an earlier run on other data (stale)."""
+    work = tmp / "seed"
+    run(["cp", "-a", str(earlier), str(work)], tmp, env)
     (work / "source.txt").write_text(source)
     run(["git", "add", "-A"], work, env)
     run(["git", "commit", "-qm", "pipeline, with an earlier run's dvc.lock"], work, env)
@@ -145,15 +159,28 @@ def make_origin(tmp: Path, env: dict[str, str], source: str) -> Path:
     return origin
 
 
-def nodes(tmp: Path, server: S3Server, source: str) -> tuple[Path, Path, dict[str, str]]:
-    env = base_env(tmp, server)
+def new_bucket(server: S3Server) -> str:
     bucket = f"follow-{uuid.uuid4().hex[:12]}"
     server.create_bucket(bucket)
-    origin = make_origin(tmp, env, source)
-    gen = clone_node(origin, tmp / "gen", env, server, bucket)
+    return bucket
+
+
+def training_node(
+    origin: Path, tmp: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> Path:
     train = clone_node(origin, tmp / "train", env, server, bucket)
     (train / ".training-node").write_text("")
-    return gen, train, env
+    return train
+
+
+def nodes(
+    tmp: Path, server: S3Server, earlier: Path, source: str
+) -> tuple[Path, Path, dict[str, str]]:
+    env = base_env(tmp, server)
+    bucket = new_bucket(server)
+    origin = make_origin(tmp, env, earlier, source)
+    gen = clone_node(origin, tmp / "gen", env, server, bucket)
+    return gen, training_node(origin, tmp, env, server, bucket), env
 
 
 def draftline(node: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
@@ -204,10 +231,39 @@ def lock(node: Path) -> dict:
     return yaml.safe_load((node / "dvc.lock").read_text())["stages"]
 
 
+@pytest.fixture(scope="module")
+def led(
+    tmp_path_factory: pytest.TempPathFactory, server: S3Server, earlier_run: Path
+) -> tuple[Path, str]:
+    """The origin and bucket of a run whose generating node finished `draftline lead` on
+    "a b c": made once per module for the tests whose follower starts after the lead, which
+    work on copies of both (`after_lead`)."""
+    tmp = tmp_path_factory.mktemp("led")
+    env, bucket = base_env(tmp, server), new_bucket(server)
+    origin = make_origin(tmp, env, earlier_run, "a b c\n")
+    gen = clone_node(origin, tmp / "gen", env, server, bucket)
+    lead = draftline(gen, env, "lead")
+    out, _ = lead.communicate(timeout=600)
+    assert lead.returncode == 0, out
+    return origin, bucket
+
+
+def after_lead(led: tuple[Path, str], tmp: Path, server: S3Server) -> tuple[Path, dict[str, str]]:
+    """The training node of a copy of `led`: its origin copied into `tmp` and its bucket's
+    objects into a bucket of this test's own."""
+    origin, bucket = led
+    env = base_env(tmp, server)
+    run(["cp", "-a", str(origin), str(tmp / "origin.git")], tmp, env)
+    own, client = new_bucket(server), server.client()
+    for key in server.keys(bucket):
+        client.copy_object(Bucket=own, Key=key, CopySource={"Bucket": bucket, "Key": key})
+    return training_node(tmp / "origin.git", tmp, env, server, own), env
+
+
 def test_the_follower_trains_each_shard_as_it_arrives_and_never_generates(
-    tmp_path: Path, server: S3Server
+    tmp_path: Path, server: S3Server, earlier_run: Path
 ) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
+    gen, train, env = nodes(tmp_path, server, earlier_run, "a b c\n")
     follow = draftline(train, env, "follow", "--poll-s", "0.5")
     lead = draftline(gen, {**env, "STEP_PACE_S": "4"}, "lead")
     lead_out, _ = lead.communicate(timeout=600)
@@ -236,9 +292,9 @@ def test_the_follower_trains_each_shard_as_it_arrives_and_never_generates(
 
 
 def test_a_shard_that_fails_validation_stops_the_follower_before_its_link(
-    tmp_path: Path, server: S3Server
+    tmp_path: Path, server: S3Server, earlier_run: Path
 ) -> None:
-    gen, train, env = nodes(tmp_path, server, "a BAD c\n")
+    gen, train, env = nodes(tmp_path, server, earlier_run, "a BAD c\n")
     lead = draftline(gen, env, "lead")
     assert lead.wait(timeout=600) == 0
     follow = draftline(train, env, "follow", "--poll-s", "0.5")
@@ -249,13 +305,14 @@ def test_a_shard_that_fails_validation_stops_the_follower_before_its_link(
     assert not (train / "models/chain/shard-1.txt").exists()
 
 
-def test_a_follower_with_other_params_stops_naming_them(tmp_path: Path, server: S3Server) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
+def test_a_follower_with_other_params_stops_naming_them(
+    tmp_path: Path, server: S3Server, led: tuple[Path, str]
+) -> None:
+    train, env = after_lead(led, tmp_path, server)
     params = yaml.safe_load((train / "params.yaml").read_text())
     params["drafter"] = {"lr": 0.1}  # what it trains differs from what the generator planned
     params["hardware"] = {"name": "pro6000x4"}  # hardware may differ
     (train / "params.yaml").write_text(yaml.safe_dump(params))
-    assert draftline(gen, env, "lead").wait(timeout=600) == 0
     follow = draftline(train, env, "follow", "--poll-s", "0.5")
     out, _ = follow.communicate(timeout=600)
     assert follow.returncode == 1, out
@@ -265,9 +322,9 @@ def test_a_follower_with_other_params_stops_naming_them(tmp_path: Path, server: 
 
 
 def test_a_second_follower_is_refused_naming_the_first_until_it_takes_over(
-    tmp_path: Path, server: S3Server
+    tmp_path: Path, server: S3Server, earlier_run: Path
 ) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
+    gen, train, env = nodes(tmp_path, server, earlier_run, "a b c\n")
     second = clone_node(tmp_path / "origin.git", tmp_path / "second", env, server, "unused")
     first = Output(draftline(train, env, "follow", "--poll-s", "0.5"))
     try:
@@ -293,9 +350,9 @@ def test_a_second_follower_is_refused_naming_the_first_until_it_takes_over(
 
 
 def test_a_lead_restarted_on_other_weights_stops_the_follower_at_its_next_look(
-    tmp_path: Path, server: S3Server
+    tmp_path: Path, server: S3Server, earlier_run: Path
 ) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
+    gen, train, env = nodes(tmp_path, server, earlier_run, "a b c\n")
     lead = Output(draftline(gen, {**env, "STEP_PACE_S": "3"}, "lead"))
     follow = Output(draftline(train, env, "follow", "--poll-s", "0.5"))
     try:
@@ -317,16 +374,16 @@ def test_a_lead_restarted_on_other_weights_stops_the_follower_at_its_next_look(
                 kill(proc)
 
 
-def test_the_follower_rides_out_an_s3_outage(tmp_path: Path, server: S3Server) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
-    lead = draftline(gen, env, "lead")
-    assert lead.wait(timeout=600) == 0
+def test_the_follower_rides_out_an_s3_outage(
+    tmp_path: Path, server: S3Server, led: tuple[Path, str]
+) -> None:
+    train, env = after_lead(led, tmp_path, server)
     follow = Output(draftline(train, env, "follow", "--poll-s", "0.5", "--retry-s", "120"))
     try:
         follow.wait_for("took curate", timeout=300)
         server.stop()
         follow.wait_for("retrying in", timeout=120)
-        time.sleep(10)
+        time.sleep(FIRST_PAUSE_S + 1)  # past the first retry: that one meets the outage too
         server.start()
         assert follow.finish(timeout=600) == 0, follow.text
     finally:
@@ -338,17 +395,16 @@ def test_the_follower_rides_out_an_s3_outage(tmp_path: Path, server: S3Server) -
 
 
 def test_an_outage_longer_than_the_budget_stops_in_one_line_naming_the_rerun(
-    tmp_path: Path, server: S3Server
+    tmp_path: Path, server: S3Server, led: tuple[Path, str]
 ) -> None:
-    gen, train, env = nodes(tmp_path, server, "a b c\n")
-    assert draftline(gen, env, "lead").wait(timeout=600) == 0
+    train, env = after_lead(led, tmp_path, server)
     server.stop()
     try:
-        follow = draftline(train, env, "follow", "--poll-s", "0.5", "--retry-s", "5")
+        follow = draftline(train, env, "follow", "--poll-s", "0.5", "--retry-s", "2")
         out, _ = follow.communicate(timeout=300)
     finally:
         server.start()
     assert follow.returncode == 1, out
     last = out.strip().splitlines()[-1]
-    assert "kept failing for 5 s" in last and "rerun `draftline follow --run r`" in last, out
+    assert "kept failing for 2 s" in last and "rerun `draftline follow --run r`" in last, out
     assert "Traceback" not in out

@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 import yaml
 from helpers.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
-from helpers.tiny_pipeline import clone_node, make_origin, run, salvage
+from helpers.tiny_pipeline import (
+    base_env,
+    clone_node,
+    copy_node,
+    make_origin,
+    run,
+    salvage,
+)
 
 HF_TOKEN = "hf_SalvageTestToken_9d8c7b6a"
 DB_PASSWORD = "pw-salvage-4711-private"
@@ -30,13 +37,23 @@ def env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "HF_TOKEN": HF_TOKEN, "DB_PASSWORD": DB_PASSWORD}
 
 
-@pytest.fixture
-def node(tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str) -> Path:
-    """Node A: a clone with prepare + 2 of 4 shards finished."""
-    origin = make_origin(tmp_path, env)
-    node = clone_node(origin, tmp_path / "node-a", env, server, bucket)
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory, server: S3Server) -> Path:
+    """Node A as built once per module: a clone with prepare + 2 of 4 shards finished."""
+    tmp = tmp_path_factory.mktemp("prepared")
+    env = base_env(tmp, server)
+    origin = make_origin(tmp, env)
+    node = clone_node(origin, tmp / "node-a", env, server, "unused")
     run(["dvc", "repro", "prepare", "shard@0", "shard@1"], node, env)
     return node
+
+
+@pytest.fixture
+def node(
+    prepared: Path, tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> Path:
+    """Node A: a copy of `prepared` and its origin in this test's folder, on its own bucket."""
+    return copy_node(prepared, tmp_path, env, server, bucket)
 
 
 def lock_objects(node: Path) -> dict[str, str]:
@@ -357,7 +374,7 @@ def test_endpoint_stopped_mid_push_then_second_salvage_succeeds(
     try:
         own.create_bucket("midpush")
         env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
-        origin = make_origin(tmp_path, env, bulk_files=40, bulk_kib=256)
+        origin = make_origin(tmp_path, env, bulk_files=20, bulk_kib=512)
         node = clone_node(origin, tmp_path / "node", env, own, "midpush", jobs=1)
         run(["dvc", "repro", "bulk"], node, env)
 
@@ -382,14 +399,14 @@ def test_endpoint_stopped_mid_push_then_second_salvage_succeeds(
 
         own.start()
         uploaded = len(own.keys("midpush", "dvc/files/"))
-        assert 3 <= uploaded < 41  # 40 parts + the manifest: the push really was cut short
+        assert 3 <= uploaded < 21  # 20 parts + the manifest: the push really was cut short
         second = salvage(node, env, "--no-push-git")
-        assert "41 objects checked" in second.stdout, second.stdout
+        assert "21 objects checked" in second.stdout, second.stdout
         assert "run-cache: 1 entries" in second.stdout
         # Only the git push is missing (no --push-git wanted): the data itself is safe.
         not_safe = [line for line in second.stdout.splitlines() if line.startswith("NOT SAFE")]
         assert not_safe == [line for line in not_safe if "only on this node" in line]
-        assert len(own.keys("midpush", "dvc/files/")) == 41
+        assert len(own.keys("midpush", "dvc/files/")) == 21
     finally:
         own.stop()
 

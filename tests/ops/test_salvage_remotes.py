@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 from helpers.s3_server import S3Server
-from helpers.tiny_pipeline import clone_node, make_origin, run, salvage
+from helpers.tiny_pipeline import (
+    base_env,
+    clone_node,
+    copy_node,
+    make_origin,
+    run,
+    salvage,
+)
 
 
 def _random(n: int) -> str:
@@ -24,14 +31,24 @@ def _random(n: int) -> str:
     return "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(n))
 
 
-@pytest.fixture
-def node(tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str) -> Path:
-    """A clone of origin with `prepare` run; `dvc exp run` without Hydra (no conf/ here)."""
-    origin = make_origin(tmp_path, env)
-    node = clone_node(origin, tmp_path / "node", env, server, bucket)
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory, server: S3Server) -> Path:
+    """A clone of origin with `prepare` run; `dvc exp run` without Hydra (no conf/ here).
+    Built once per module."""
+    tmp = tmp_path_factory.mktemp("prepared")
+    env = base_env(tmp, server)
+    node = clone_node(make_origin(tmp, env), tmp / "node", env, server, "unused")
     run(["dvc", "config", "--local", "hydra.enabled", "false"], node, env)
     run(["dvc", "repro", "prepare"], node, env)
     return node
+
+
+@pytest.fixture
+def node(
+    prepared: Path, tmp_path: Path, env: dict[str, str], server: S3Server, bucket: str
+) -> Path:
+    """A copy of `prepared` and its origin in this test's folder, on its own bucket."""
+    return copy_node(prepared, tmp_path, env, server, bucket)
 
 
 def refs(repo: Path, env: dict[str, str]) -> dict[str, str]:
