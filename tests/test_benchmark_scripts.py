@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The scripts' own default is 2 torch threads; the suite gives each test's process one core or
+# less (tests/conftest.py), and more threads than that only spin.
+THREADS = ["--threads", "1"]
 
 
 def run_script(name: str, *args: str, out_flag: str = "--json", tmp_path: Path) -> dict:
@@ -36,6 +39,7 @@ def test_blockwise_and_dense_training_attention_agree(tmp_path: Path) -> None:
         "8",
         "--steps",
         "1",
+        *THREADS,
         tmp_path=tmp_path,
     )
     assert report["outputs_equal"] is True
@@ -61,6 +65,7 @@ def test_extraction_equals_the_naive_reference(tmp_path: Path) -> None:
         "4096",
         "--tokens-per-batch",
         "1024",
+        *THREADS,
         tmp_path=tmp_path,
     )
     assert report["features_equal"] is True

@@ -1,6 +1,10 @@
 """`draftline calibrate` on a copy of the embedded default after `dvc repro curate` (the local
 engine): it leaves `dvc status` and git as they were, `draftline plan` then shows the cpu
-profile's figures as measured, and a kill mid-calibration leaves nothing behind."""
+profile's figures as measured, and a kill mid-calibration leaves nothing behind.
+
+The budgets are a few seconds: every part measures at least one whole batch or step however
+short its budget (the turns in flight when generate's budget ends still finish), and what is
+checked here is what calibrate writes and leaves, not the figures' precision."""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ import yaml
 from helpers.embedded_run import BIN, ENV, copy_project, run
 from helpers.generate_helpers import StandIn, build_random_target, make_workdir, sglang_hardware
 
+from draftline import cli
+
+State = tuple[str, str, list[str]]
+
 
 @pytest.fixture(scope="module")
 def curated(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -25,7 +33,13 @@ def curated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
-def state(repo: Path) -> tuple[str, str, list[str]]:
+@pytest.fixture(scope="module")
+def curated_state(curated: Path) -> State:
+    """The project's state before any calibration: each test's calibration must leave it so."""
+    return state(curated)
+
+
+def state(repo: Path) -> State:
     """git status, dvc status and the working state (.draftline/) of the project."""
     git = run(["git", "status", "--porcelain", "--ignored"], repo).stdout
     dvc = run(["dvc", "status"], repo).stdout
@@ -38,9 +52,21 @@ def without_logs(git_status: str) -> str:
     return "\n".join(line for line in git_status.splitlines() if not line.endswith("logs/"))
 
 
-def test_calibrate_changes_nothing_dvc_or_git_see_and_plan_shows_it(curated: Path) -> None:
-    before = state(curated)
-    done = run(["draftline", "calibrate", "--minutes", "0.2", "--no-progress"], curated)
+def plan(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """`draftline plan ARGS` in this process (tests/ops/test_plan.py runs the CLI as a
+    subprocess too), in the current folder."""
+    assert cli.main(["plan", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_calibrate_changes_nothing_dvc_or_git_see_and_plan_shows_it(
+    curated: Path,
+    curated_state: State,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = curated_state
+    done = run(["draftline", "calibrate", "--minutes", "0.02", "--no-progress"], curated)
     assert "calibrate: wrote logs/calibration/cpu.json" in done.stdout, done.stdout
     after = state(curated)
     assert without_logs(after[0]) == without_logs(before[0])
@@ -49,18 +75,19 @@ def test_calibrate_changes_nothing_dvc_or_git_see_and_plan_shows_it(curated: Pat
     assert record["hardware_profile"] == "cpu" and record["engine"].startswith("local:")
     assert {"generate_tok_s", "extract_tok_s", "train_tok_s"} <= record["figures"].keys()
 
-    plan = run(["draftline", "plan", "--json", "--no-memory"], curated).stdout
-    cpu = json.loads(plan)["profiles"]["cpu"]["throughput"]
+    monkeypatch.chdir(curated)
+    profiles = json.loads(plan("--json", "--no-memory", capsys=capsys))["profiles"]
+    cpu = profiles["cpu"]["throughput"]
     for key in ("generate_tok_s", "extract_tok_s", "train_tok_s"):
         assert cpu[key]["kind"] == "measured", cpu[key]
         assert cpu[key]["source"].startswith("measured by calibrate on "), cpu[key]
-    table = run(["draftline", "plan", "--no-memory"], curated).stdout
+    table = plan("--no-memory", capsys=capsys)
     assert "Calibrated (tok/s: conf/ estimate vs measured)" in table
 
 
-def test_a_kill_mid_calibration_leaves_nothing_behind(curated: Path) -> None:
+def test_a_kill_mid_calibration_leaves_nothing_behind(curated: Path, curated_state: State) -> None:
     (curated / "logs/calibration/cpu.json").unlink(missing_ok=True)
-    before = state(curated)
+    before = curated_state
     proc = subprocess.Popen(
         [str(BIN / "draftline"), "calibrate", "--minutes", "5", "--no-progress"],
         cwd=curated, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -75,16 +102,18 @@ def test_a_kill_mid_calibration_leaves_nothing_behind(curated: Path) -> None:
     assert state(curated) == before
 
 
-def test_extract_and_train_run_over_the_profiles_processes(curated: Path, tmp_path: Path) -> None:
+def test_extract_and_train_run_over_the_profiles_processes(
+    curated: Path, curated_state: State, tmp_path: Path
+) -> None:
     """A profile of two processes per node (gloo on the CPU, as NCCL over a node's GPUs):
     both parts run as two workers of one process group, and the figures are the node's."""
     p = yaml.safe_load((curated / "params.yaml").read_text())
     p["hardware"].update(processes_per_node=2, sharding="fsdp")
     two = tmp_path / "two.yaml"  # outside the project: git and dvc see no change
     two.write_text(yaml.safe_dump(p))
-    before = state(curated)
+    before = curated_state
     done = run(
-        ["draftline", "calibrate", "--minutes", "0.3", "--stages", "extract,train",
+        ["draftline", "calibrate", "--minutes", "0.02", "--stages", "extract,train",
          "--params", str(two), "--out-dir", str(tmp_path / "out"), "--no-progress"],
         curated,
     )  # fmt: skip
@@ -110,7 +139,7 @@ def test_generate_reports_the_engines_prefix_cache(tmp_path: Path) -> None:
     with StandIn(tmp_path, "--mode", "think") as server:
         make_workdir(tmp_path / "w", model, multi_turn=True, hardware=sglang_hardware(server.port))
         done = run(
-            ["draftline", "calibrate", "--minutes", "0.1", "--stages", "generate",
+            ["draftline", "calibrate", "--minutes", "0.05", "--stages", "generate",
              "--no-progress"],
             tmp_path / "w",
         )  # fmt: skip

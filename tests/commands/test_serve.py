@@ -581,11 +581,14 @@ def bench_workdir(root: Path, port: int) -> Path:
     return root
 
 
-def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
+def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path, monkeypatch, capsys):
     """Two servers from `draftline serve start`: one with the exported drafter (SGLang's DFLASH
     flags), one without speculation. The stand-in (tests/helpers/sglang_standin.py) reports
     `spec_verify_ct` as SGLang does when started with `--speculative-algorithm`, commits
-    --accept-length tokens per verify step and spends --step-s per target forward."""
+    --accept-length tokens per verify step and spends --step-s per target forward. `draftline
+    bench` runs in this process (the next test runs it as a subprocess)."""
+    from draftline import cli
+
     spec_port, base_port = free_port(), free_port()
     root = bench_workdir(tmp_path / "repo", spec_port)
     argv = {name: tmp_path / f"{name}.argv" for name in ("spec", "base")}
@@ -608,11 +611,10 @@ def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
         assert served["--speculative-num-draft-tokens"] == "8"  # the drafter's block size
         assert "--speculative-algorithm" not in flags(json.loads(argv["base"].read_text()))
 
-        bench = [sys.executable, "-m", "draftline", "bench", "--concurrency", "4",
-                 "--baseline-url", f"http://127.0.0.1:{base_port}"]  # fmt: skip
-        done = subprocess.run(bench, cwd=root, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "bench: acceptance length" in done.stdout
+        monkeypatch.chdir(root)
+        bench = ["bench", "--concurrency", "4", "--baseline-url", f"http://127.0.0.1:{base_port}"]
+        assert cli.main(bench) == 0
+        assert "bench: acceptance length" in capsys.readouterr().out
         metrics = json.loads((root / "metrics/bench/bench.json").read_text())
         record = json.loads((root / "logs/runs/bench.json").read_text())
         assert record["requests"] == 12 and record["sampling"]["temperature"] == 0.6
@@ -632,17 +634,9 @@ def test_bench_measures_acceptance_and_speedup_against_live_servers(tmp_path):
                                                         "dflash_tiny")  # fmt: skip
 
         # A server without the drafter has no speculative statistics: the fix is named.
-        alone = [
-            sys.executable,
-            "-m",
-            "draftline",
-            "bench",
-            "--url",
-            f"http://127.0.0.1:{base_port}",
-        ]
-        done = subprocess.run(alone, cwd=root, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 1
-        assert "draftline serve start --drafter models/drafter" in done.stdout + done.stderr
+        with pytest.raises(SystemExit) as failed:  # a message: exit status 1
+            cli.main(["bench", "--url", f"http://127.0.0.1:{base_port}"])
+        assert "draftline serve start --drafter models/drafter" in str(failed.value.code)
     finally:
         serve(root, "stop", "--all")
 
