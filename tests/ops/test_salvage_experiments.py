@@ -21,11 +21,11 @@ from helpers.s3_server import S3Server
 from helpers.tiny_pipeline import base_env, run, salvage
 
 pytestmark = pytest.mark.xdist_group("embedded-default")
-# Two short trainings: one epoch on sequences cut to 64 tokens, at two learning rates.
-EXPERIMENTS = {
-    "ep-one": ["drafter.epochs=1", "drafter.max_length=64"],
-    "ep-two": ["drafter.epochs=1", "drafter.max_length=64", "drafter.lr=0.001"],
-}
+# Two short trainings: one epoch on sequences cut to 64 tokens, at two learning rates, each
+# evaluated on 8 held-out prompts of 32 new tokens (evaluate reruns with the drafter).
+SHORT = ["drafter.epochs=1", "drafter.max_length=64", "evaluate.max_prompts=8",
+         "evaluate.max_new_tokens=32"]  # fmt: skip
+EXPERIMENTS = {"ep-one": SHORT, "ep-two": [*SHORT, "drafter.lr=0.001"]}
 DRAFTER = "models/drafter"
 
 
