@@ -217,7 +217,10 @@ class Output:
             time.sleep(0.1)
 
     def finish(self, timeout: float = 600) -> int:
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.text}") from None
         self.reader.join(timeout=10)
         return rc
 
@@ -363,7 +366,10 @@ def test_a_lead_restarted_on_other_weights_stops_the_follower_at_its_next_look(
         (gen / "params.yaml").write_text(yaml.safe_dump(params))
         # Slow enough that the restarted lead generates nothing before the follower looks.
         lead = Output(draftline(gen, {**env, "STEP_PACE_S": "60"}, "lead"))
-        assert follow.finish(timeout=120) == 1, follow.text
+        try:
+            assert follow.finish(timeout=120) == 1, follow.text
+        except AssertionError as failed:
+            raise AssertionError(f"{failed}\nthe restarted lead:\n{lead.text}") from None
         assert "differs from this node's in model.target_id" in follow.text
         assert "generate@2: generated" not in lead.text  # it stopped before any new shard
         took = [line for line in follow.text.splitlines() if "took generate@" in line]
