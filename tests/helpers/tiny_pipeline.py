@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from configobj import ConfigObj
-
 from helpers.s3_server import S3Server, aws_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -181,16 +179,17 @@ def clone_node(
 
 def point_remote(node: Path, server: S3Server | None, bucket: str, jobs: int | None = None) -> None:
     """Set the s3 remote's url (and endpoint, jobs) in `.dvc/config.local`, keeping its other
-    settings: what `dvc remote modify --local s3 ...` writes, without a `dvc` process each."""
-    config = ConfigObj(str(node / ".dvc" / "config.local"))
-    config.indent_type = "    "  # as DVC writes it
-    remote = config.setdefault('remote "s3"', {})
-    remote["url"] = f"s3://{bucket}/dvc"
-    if server is not None:
-        remote["endpointurl"] = server.endpoint
-    if jobs:
-        remote["jobs"] = str(jobs)
-    config.write()
+    settings, through DVC's own config editor: what `dvc remote modify --local s3 ...` runs,
+    without a `dvc` process each."""
+    from dvc.config import Config
+
+    with Config(str(node / ".dvc")).edit("local") as config:
+        remote = config["remote"].setdefault("s3", {})
+        remote["url"] = f"s3://{bucket}/dvc"
+        if server is not None:
+            remote["endpointurl"] = server.endpoint
+        if jobs:
+            remote["jobs"] = jobs
 
 
 def copy_node(node: Path, tmp: Path, env: dict[str, str], server: S3Server, bucket: str) -> Path:
