@@ -12,6 +12,7 @@ each test works on copies of them (git origin, bucket) of its own."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,6 +217,15 @@ class Output:
             assert self.proc.poll() is None or text in self.text, f"ended:\n{self.text}"
             time.sleep(0.1)
 
+    def wait_for_last(self, pattern: re.Pattern[str], timeout: float = 300) -> None:
+        """Wait until the last line written matches `pattern` (the process is in that step)."""
+        end = time.monotonic() + timeout
+        while not (self.lines and pattern.search(self.lines[-1].rstrip())):
+            waited = f"no {pattern.pattern!r} within {timeout} s"
+            assert time.monotonic() < end, f"{waited}:\n{self.text}"
+            assert self.proc.poll() is None, f"ended:\n{self.text}"
+            time.sleep(0.05)
+
     def finish(self, timeout: float = 600) -> int:
         try:
             rc = self.proc.wait(timeout=timeout)
@@ -360,6 +370,10 @@ def test_a_lead_restarted_on_other_weights_stops_the_follower_at_its_next_look(
     follow = Output(draftline(train, env, "follow", "--poll-s", "0.5"))
     try:
         follow.wait_for("train_shard@0: done", timeout=300)
+        # Killed inside a generation stage (dvc repro running the stand-in's paced step), as a
+        # node lost mid-shard is: not inside the lead's own git commit or push, whose lock files
+        # a kill -9 would leave behind for the restarted lead to trip on.
+        lead.wait_for_last(re.compile(r"generate@\d: running$"), timeout=120)
         kill(lead.proc)
         params = yaml.safe_load((gen / "params.yaml").read_text())
         params["model"]["target_id"] = "sha256:bbbb"  # other weights
