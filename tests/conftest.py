@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,8 +28,11 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# One memory-figure cache for the whole run (subprocesses included), outside the checkout.
-os.environ.setdefault("DRAFTLINE_MEMORY_CACHE", tempfile.mkdtemp(prefix="draftline-memory-"))
+# One memory-figure cache for the whole run (subprocesses and xdist workers inherit it), outside
+# the checkout, made by the process that starts the run and removed when it ends.
+if "DRAFTLINE_MEMORY_CACHE" not in os.environ:
+    os.environ["DRAFTLINE_MEMORY_CACHE"] = tempfile.mkdtemp(prefix="draftline-memory-")
+    atexit.register(shutil.rmtree, os.environ["DRAFTLINE_MEMORY_CACHE"], ignore_errors=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
