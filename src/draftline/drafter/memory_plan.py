@@ -53,10 +53,14 @@ def profile_memory(
     world = int(profile.get("processes_per_node") or 1)
 
     def measure(stage: str, size: int) -> memory.Peak:
+        # What the figure depends on, no more: extraction runs the target alone, so one figure
+        # serves every drafter (and layout) planned on the same target and sizes.
         key = {
-            "stage": stage, "size": size, "config": config, "drafter": hp.identity(),
-            "layers": model["target_layer_ids"], "max_length": max_length, "precision": precision,
-            **({} if stage == "extract" else {"layout": layout.describe(), "world": world}),
+            "stage": stage, "size": size, "config": config, "layers": model["target_layer_ids"],
+            "max_length": max_length, "precision": precision,
+            **({} if stage == "extract" else {
+                "drafter": hp.identity(), "layout": layout.describe(), "world": world,
+            }),
         }  # fmt: skip
         if progress:
             progress(f"{profile.get('name')}: {stage.replace('_', ' ')} at {size}")
