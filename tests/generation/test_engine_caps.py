@@ -118,9 +118,13 @@ def test_a_stage_sends_nothing_before_the_router_is_ready(tmp_path, monkeypatch)
         monkeypatch.chdir(tmp_path)
         profile = {**PROFILES["pro6000x4"]}
         profile["sglang"] = {**profile["sglang"], "port": port, "dp_size": 2}
-        deadline = time.monotonic() + 20
+        # The stand-in's start (its imports) takes seconds, more on a loaded machine: wait for
+        # it, and say so when it never came, rather than test a router that is not there.
+        deadline = time.monotonic() + 120
         while "process 1" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
             time.sleep(0.05)
+        assert "process 1" in log.read_text(), f"the stand-in never started:\n{log.read_text()}"
         p = {"model": TARGET, "generate": {}}
         engine = choose.make_sglang_engine(p, profile, Sampling(max_new_tokens=8), 2)
         results = []
